@@ -1,0 +1,130 @@
+"""Command-line flags of the train and eval scripts, and their checks.
+
+The article's flag names and defaults are kept (CIFAR10, 227 px, batch 64,
+AdamW lr 1e-4, 20 epochs); booleans are real booleans (``--cuda/--no-cuda``),
+and default paths are relative to the repository root, not the current folder.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DATA_DIR = REPO_ROOT / "data"
+CHECKPOINT_DIR = REPO_ROOT / "checkpoint"
+TENSORBOARD_DIR = REPO_ROOT / "tensorboard"
+
+DATASETS = ("CIFAR10", "ImageFolder", "FakeData")
+AMP_DTYPES = ("float16", "bfloat16")
+MIN_IMG_SIZE = 63  # AlexNet's feature extractor needs at least 63x63 input
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block) and exit with status 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _formatter(prog):
+    return argparse.ArgumentDefaultsHelpFormatter(prog, max_help_position=32)
+
+
+def _add_common(p: argparse.ArgumentParser, *, ddp: bool, for_eval: bool) -> None:
+    from_ckpt = " (default: as the checkpoint was trained)" if for_eval else ""
+    p.add_argument("--dataset", choices=DATASETS, default=None if for_eval else "CIFAR10",
+                   help="CIFAR10 (downloaded into --dataset_root), ImageFolder (a root with "
+                        "train/ and val/ class folders) or FakeData (random images)" + from_ckpt)
+    p.add_argument("--dataset_root", type=Path, default=None if for_eval else DATA_DIR,
+                   help="data set folder" + from_ckpt)
+    p.add_argument("--img_size", type=int, default=None if for_eval else 227,
+                   help=f"images are resized to img_size x img_size (at least {MIN_IMG_SIZE})"
+                        + from_ckpt)
+    p.add_argument("--batch_size", type=int, default=64,
+                   help="batch size " + ("PER PROCESS (the global batch is batch_size x world size)"
+                                         if ddp else "(split across GPUs by DataParallel)"))
+    p.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
+                   help="train on CUDA (--no-cuda: on the CPU). Default: CUDA when available; "
+                        "--cuda without CUDA is an error")
+    p.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
+                   help="autocast dtype. Default: float16 on CUDA, bfloat16 on the CPU")
+    p.add_argument("--num_workers", type=int, default=None,
+                   help="DataLoader worker processes. Default: 4 with CUDA, 0 on the CPU")
+
+
+def train_parser(variant: str, ddp: bool) -> Parser:
+    p = Parser(prog=f"{variant}.py", description=f"Train AlexNet ({variant}).",
+               formatter_class=_formatter)
+    _add_common(p, ddp=ddp, for_eval=False)
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="log to TensorBoard")
+    p.add_argument("--tensorboard_log", type=Path, default=TENSORBOARD_DIR,
+                   help="TensorBoard folder; this run logs to <it>/<variant>/<time>/")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--epochs", type=int, default=20, help="number of epochs to train")
+    p.add_argument("--checkpoint", type=Path, default=CHECKPOINT_DIR,
+                   help="checkpoint folder; this run writes <it>/<variant>/{last,best}.pth")
+    p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH",
+                   help="continue a run from a checkpoint (no PATH: this variant's last.pth)")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--pretrained", action="store_true",
+                   help="start from torchvision's ImageNet weights (downloaded via torch.hub)")
+    p.add_argument("--log_every", type=int, default=20,
+                   help="steps between reads of the loss on the host (progress bar, checks)")
+    return p
+
+
+def eval_parser(variant: str, ddp: bool) -> Parser:
+    p = Parser(prog=f"{variant}.py", description=f"Evaluate an AlexNet checkpoint ({variant}).",
+               formatter_class=_formatter)
+    _add_common(p, ddp=ddp, for_eval=True)
+    p.add_argument("--checkpoint", type=Path, default=CHECKPOINT_DIR,
+                   help="a checkpoint file, or a folder: its newest .pth is evaluated")
+    p.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=False,
+                   help="evaluate under autocast (see --amp_dtype)")
+    return p
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    from .errors import UserError
+
+    if args.batch_size is not None and args.batch_size <= 0:
+        raise UserError(f"--batch_size must be a positive integer, got {args.batch_size}")
+    if args.img_size is not None and args.img_size < MIN_IMG_SIZE:
+        raise UserError(f"--img_size must be at least {MIN_IMG_SIZE} for AlexNet, "
+                        f"got {args.img_size}")
+    if args.num_workers is not None and args.num_workers < 0:
+        raise UserError(f"--num_workers must be >= 0, got {args.num_workers}")
+
+
+def parse_train_args(variant: str, ddp: bool,
+                     argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    from .errors import UserError
+
+    args = train_parser(variant, ddp).parse_args(sys.argv[1:] if argv is None else argv)
+    _check_common(args)
+    if args.epochs <= 0:
+        raise UserError(f"--epochs must be a positive integer, got {args.epochs}")
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        raise UserError(f"--lr must be a finite number >= 0, got {args.lr}")
+    if args.log_every <= 0:
+        raise UserError(f"--log_every must be a positive integer, got {args.log_every}")
+    return args
+
+
+def parse_eval_args(variant: str, ddp: bool,
+                    argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    args = eval_parser(variant, ddp).parse_args(sys.argv[1:] if argv is None else argv)
+    _check_common(args)
+    return args
+
+
+def args_to_plain(args: argparse.Namespace) -> dict:
+    """The run's arguments as plain data (str/int/float/bool/None): safe to store in a checkpoint."""
+    out = {}
+    for k, v in vars(args).items():
+        out[k] = str(v) if isinstance(v, Path) else v
+    return out

@@ -1,0 +1,115 @@
+"""Device choice and distributed setup, from torchrun's environment variables.
+
+Under torchrun each process reads RANK / LOCAL_RANK / WORLD_SIZE (and the
+rendezvous address) from its environment; under plain ``python`` a DDP script
+runs as a one-process group on a free local port. With CUDA every process
+owns one GPU (``LOCAL_RANK``) and the backend is NCCL; on the CPU it is gloo.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import UserError
+
+
+@dataclass
+class DistInfo:
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    distributed: bool = False  # a process group is initialised
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the only process that prints, logs and writes."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """Local rank 0: the one process per node that prepares data."""
+        return self.local_rank == 0
+
+    def barrier(self) -> None:
+        if self.distributed:
+            if self.device.type == "cuda":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    @contextlib.contextmanager
+    def local_main_first(self) -> Iterator[None]:
+        """Local rank 0 of each node runs the block first (e.g. a download); the others wait."""
+        if not self.is_local_main:
+            self.barrier()
+        yield
+        if self.is_local_main:
+            self.barrier()
+
+
+def want_cuda(flag: Optional[bool]) -> bool:
+    """``--cuda`` (True), ``--no-cuda`` (False) or neither (None: CUDA when available)."""
+    if flag is None:
+        return torch.cuda.is_available()
+    if flag and not torch.cuda.is_available():
+        raise UserError("--cuda was given but CUDA is not available on this machine "
+                        "(use --no-cuda to run on the CPU)")
+    return flag
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup(ddp: bool, cuda_flag: Optional[bool]) -> DistInfo:
+    """Pick the device; for DDP scripts also join (or create) the process group."""
+    use_cuda = want_cuda(cuda_flag)
+    if not ddp:
+        return DistInfo(device=torch.device("cuda" if use_cuda else "cpu"))
+
+    if "RANK" not in os.environ:  # plain `python AMP/train_DDP.py`: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ["WORLD_SIZE"])
+
+    if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} "
+                            "GPU(s) are visible: start at most one process per GPU")
+        # Before anything touches the GPU, or every rank would allocate on GPU 0.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    return DistInfo(device=device, rank=rank, world_size=world_size,
+                    local_rank=local_rank, distributed=True)
+
+
+def cleanup(info: DistInfo) -> None:
+    if info.distributed and dist.is_initialized():
+        dist.destroy_process_group()

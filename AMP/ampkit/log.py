@@ -1,0 +1,57 @@
+"""Logging on global rank 0 only: console lines, TensorBoard scalars, a JSON line per epoch."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+
+def format_duration(seconds: float) -> str:
+    """``1342.4`` -> ``0h22m22s`` (the article divided seconds by 60 with //)."""
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60}m{seconds % 60}s"
+
+
+class RunLogger:
+    """Prints, TensorBoard and ``log.jsonl`` for the main process; a no-op elsewhere."""
+
+    def __init__(self, is_main: bool, tensorboard_dir: Optional[Path] = None,
+                 jsonl_path: Optional[Path] = None, append: bool = False) -> None:
+        self.is_main = is_main
+        self.writer = None
+        self.jsonl = None
+        if not is_main:
+            return
+        if tensorboard_dir is not None:
+            # Imported here: TensorBoard is only needed when it is used.
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(tensorboard_dir))
+        if jsonl_path is not None:
+            self.jsonl = open(jsonl_path, "a" if append else "w", encoding="utf-8")
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def warn(self, message: str) -> None:
+        if self.is_main:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def scalars(self, values: Dict[str, float], step: int) -> None:
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def record(self, row: Dict[str, Any]) -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None

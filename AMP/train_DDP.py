@@ -1,0 +1,13 @@
+"""Train AlexNet with DistributedDataParallel in fp32 (no AMP).
+
+    torchrun --nproc_per_node=2 AMP/train_DDP.py --epochs 20
+
+Under torchrun, --batch_size is per process. Plain `python AMP/train_DDP.py` runs one
+process (world size 1).
+
+See --help for the flags; the loop itself is ampkit.engine.train_one_epoch.
+"""
+from ampkit.train import main
+
+if __name__ == "__main__":
+    main(parallel="ddp", precision="fp32")

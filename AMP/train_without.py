@@ -1,0 +1,10 @@
+"""Train AlexNet with a single device in fp32 (no AMP).
+
+    python AMP/train_without.py --epochs 20
+
+See --help for the flags; the loop itself is ampkit.engine.train_one_epoch.
+"""
+from ampkit.train import main
+
+if __name__ == "__main__":
+    main(parallel="single", precision="fp32")
