@@ -25,6 +25,15 @@ from .precision import autocast_factory, cpu_has_fast_bf16, make_scaler, resolve
 from .variants import train_name
 
 
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far: allocated on the GPU, or max RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
 def wrap_model(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:
     if parallel == "dp":
         # Over all visible GPUs; without CUDA, DataParallel calls the module directly.
@@ -187,7 +196,8 @@ def _train(args, parallel, precision, info, variant, amp_dtype, run_dir, tb_dir,
             + (f"  skipped_steps {stats.skipped}  scale {scale:.0f}" if scale is not None else ""))
         row = {"epoch": epoch + 1, "train_loss": stats.loss, "val_acc": val_acc, "lr": lr,
                "epoch_time": epoch_seconds, "train_time": stats.seconds,
-               "images_per_s": stats.images_per_s, "skipped_steps": stats.skipped}
+               "images_per_s": stats.images_per_s, "skipped_steps": stats.skipped,
+               "peak_mem_mb": peak_memory_mb(device)}
         logger.record(row | ({"grad_scale": scale} if scale is not None else {}))
         logger.scalars({"train/loss": stats.loss, "train/lr": lr, "val/accuracy": val_acc,
                         "time/epoch_seconds": epoch_seconds,
