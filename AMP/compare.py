@@ -1,0 +1,348 @@
+"""Run the training variants side by side and report time, throughput, memory and accuracy.
+
+    python AMP/compare.py --epochs 20                          # all nine variants (the article's table)
+    python AMP/compare.py --variants train_without,train_DDP_autocast --epochs 2
+    python AMP/compare.py --dataset ImageFolder --dataset_root data/flowers --img_size 64 --epochs 2
+
+Each variant is its own training command, with the same data, epochs, batch size,
+learning rate and seed (DDP variants under ``python -m torch.distributed.run
+--standalone`` with one process per GPU, or 2 CPU processes without CUDA;
+``--nproc`` to change), followed by its eval script (eval_without / eval_DP /
+eval_DDP) on its own ``last.pth``. Everything lands under ``<out>/<time>/``:
+
+- ``results.csv``, ``results.md`` (one row per variant) and ``results.png``;
+- ``checkpoint/<variant>/{last,best}.pth, log.jsonl``;
+- ``logs/<variant>.train.log``, ``logs/<variant>.eval.log`` (the commands' output);
+
+and TensorBoard runs under ``tensorboard/compare-<time>/<variant>/``, so that
+``tensorboard --logdir tensorboard`` shows every variant of the comparison together.
+
+A variant that fails is reported as failed with a one-line reason and the others
+still run; the exit status is then 1. For steady-state step throughput without data
+loading, see ``AMP/benchmark.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from ampkit import report
+from ampkit.config import AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser, train_parser
+from ampkit.report import FAILED, NOT_RUN, OK, VariantResult
+from ampkit.variants import TRAIN_VARIANTS, eval_name
+
+AMP_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = REPO_ROOT / "results"
+
+
+def build_parser() -> Parser:
+    d = train_parser("train_without", ddp=False)  # the train scripts' defaults, kept in sync
+    p = Parser(prog="compare.py", description=__doc__.split("\n\n")[0],
+               formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(
+                   prog, max_help_position=32))
+    p.add_argument("--variants", default=",".join(TRAIN_VARIANTS),
+                   help="comma-separated training variants to run, in this order "
+                        f"(any of: {', '.join(TRAIN_VARIANTS)})")
+    g = p.add_argument_group("passed to every variant")
+    g.add_argument("--dataset", choices=DATASETS, default=d.get_default("dataset"))
+    g.add_argument("--dataset_root", type=Path, default=d.get_default("dataset_root"))
+    g.add_argument("--img_size", type=int, default=d.get_default("img_size"))
+    g.add_argument("--epochs", type=int, default=d.get_default("epochs"))
+    g.add_argument("--batch_size", type=int, default=d.get_default("batch_size"),
+                   help="batch size; PER PROCESS for the DDP variants, as in their scripts")
+    g.add_argument("--lr", type=float, default=d.get_default("lr"))
+    g.add_argument("--seed", type=int, default=d.get_default("seed"))
+    g.add_argument("--num_workers", type=int, default=None,
+                   help="DataLoader workers (default: the scripts' own, 4 with CUDA, 0 on the CPU)")
+    g.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA (--no-cuda: CPU). Default: CUDA when available")
+    g.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
+                   help="autocast dtype of the AMP variants (default: float16 on CUDA, "
+                        "bfloat16 on the CPU)")
+    g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="log every run to TensorBoard under <tensorboard_root>/compare-<time>/")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes of the DDP variants (default: the number of GPUs, or 2 "
+                        "without CUDA)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR,
+                   help="results root; this comparison writes <out>/<time>/")
+    p.add_argument("--tensorboard_root", type=Path, default=TENSORBOARD_DIR,
+                   help="TensorBoard root (the one to give `tensorboard --logdir`)")
+    p.add_argument("--extra_args", action="append", default=[], metavar="[VARIANT=]ARGS",
+                   help="more flags for the training command of VARIANT (or of every variant "
+                        "without VARIANT=), e.g. --extra_args 'train_DP=--log_every 5'; repeatable")
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in TRAIN_VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(TRAIN_VARIANTS)}")
+    if not names:
+        p.error("--variants is empty")
+    if len(set(names)) != len(names):
+        p.error("--variants names a variant twice")
+    args.variant_list = names
+    for flag in ("epochs", "batch_size", "img_size"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag} must be a positive integer")
+    if args.nproc is not None and args.nproc <= 0:
+        p.error("--nproc must be a positive integer")
+    extra = {}
+    for item in args.extra_args:
+        head, sep, rest = item.partition("=")
+        target = head.strip() if sep and head.strip() in TRAIN_VARIANTS else None
+        if sep and head.strip() and not head.strip().startswith("-") and target is None:
+            p.error(f"--extra_args {item!r}: {head.strip()!r} is not a variant")
+        text = rest if target else item
+        extra.setdefault(target, []).extend(shlex.split(text))
+    args.extra = extra
+    args.dataset_root = args.dataset_root.expanduser().resolve()
+    args.out = args.out.expanduser().resolve()
+    args.tensorboard_root = args.tensorboard_root.expanduser().resolve()
+    return args
+
+
+def _gpu_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+        names = [n.strip() for n in out.splitlines() if n.strip()]
+        return ", ".join(sorted(set(names))) if names else "CUDA GPU"
+    except (OSError, subprocess.SubprocessError):
+        return "CUDA GPU"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
+
+
+def _short(path: Path) -> str:
+    """``path`` relative to the current folder when it lies under it, else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd())) or "."
+    except ValueError:
+        return str(path)
+
+
+class Comparison:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch  # only to see the devices; the children do the work
+
+        from ampkit.distributed import want_cuda
+
+        self.args = args
+        self.cuda = want_cuda(args.cuda)
+        self.gpus = torch.cuda.device_count() if self.cuda else 0
+        self.nproc = args.nproc or (self.gpus if self.cuda else 2)
+        self.device = "cuda" if self.cuda else "cpu"
+        self.amp_dtype = args.amp_dtype or ("float16" if self.cuda else "bfloat16")
+        self.torch_version = torch.__version__
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.stamp = stamp
+        n = 2
+        while (args.out / self.stamp).exists():
+            self.stamp = f"{stamp}-{n}"
+            n += 1
+        self.dir = args.out / self.stamp
+        self.ckpt_dir = self.dir / "checkpoint"
+        self.log_dir = self.dir / "logs"
+        self.tb_dir = args.tensorboard_root / f"compare-{self.stamp}"
+        for d in (self.ckpt_dir, self.log_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    # -- commands -------------------------------------------------------------
+    def _launcher(self, parallel: str, script: str) -> List[str]:
+        path = str(AMP_DIR / f"{script}.py")
+        if parallel == "ddp":
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={self.nproc}", path]
+        return [sys.executable, path]
+
+    def _common(self) -> List[str]:
+        a = self.args
+        cmd = ["--dataset", a.dataset, "--dataset_root", str(a.dataset_root),
+               "--img_size", str(a.img_size), "--batch_size", str(a.batch_size),
+               "--cuda" if self.cuda else "--no-cuda"]
+        if a.num_workers is not None:
+            cmd += ["--num_workers", str(a.num_workers)]
+        return cmd
+
+    def train_cmd(self, variant: str) -> List[str]:
+        a = self.args
+        parallel, precision = TRAIN_VARIANTS[variant]
+        cmd = self._launcher(parallel, variant) + self._common() + [
+            "--epochs", str(a.epochs), "--lr", repr(a.lr), "--seed", str(a.seed),
+            "--checkpoint", str(self.ckpt_dir)]
+        if a.amp_dtype is not None:
+            cmd += ["--amp_dtype", a.amp_dtype]
+        cmd += ["--tensorboard_log", str(self.tb_dir)] if a.tensorboard else ["--no-tensorboard"]
+        return cmd + a.extra.get(None, []) + a.extra.get(variant, [])
+
+    def eval_cmd(self, variant: str, checkpoint: Path) -> List[str]:
+        parallel, _ = TRAIN_VARIANTS[variant]
+        return self._launcher(parallel, eval_name(parallel)) + self._common() + [
+            "--checkpoint", str(checkpoint)]
+
+    def devices(self, parallel: str) -> int:
+        if parallel == "ddp":
+            return self.nproc
+        if parallel == "dp":
+            return max(self.gpus, 1)
+        return 1
+
+    # -- one variant ----------------------------------------------------------
+    def run_variant(self, variant: str, index: int, count: int) -> VariantResult:
+        parallel, precision = TRAIN_VARIANTS[variant]
+        r = VariantResult(variant=variant, parallel=parallel, precision=precision,
+                          amp_dtype="" if precision == "fp32" else self.amp_dtype,
+                          device=self.device, devices=self.devices(parallel))
+        run_dir = self.ckpt_dir / variant
+        cmd = self.train_cmd(variant)
+        where = (f"{r.devices} {self.device} processes" if parallel == "ddp"
+                 else f"{r.devices} {self.device}")
+        print(f"\n==> [{index}/{count}] {variant} ({parallel}, {precision}"
+              f"{', ' + r.amp_dtype if r.amp_dtype else ''}) on {where}", flush=True)
+        print("    " + shlex.join(cmd), flush=True)
+        run = report.run_child(cmd, self.log_dir / f"{variant}.train.log", env=self.env)
+        r.wall_time_s = run.wall_s
+        summary = report.summarise_log(report.read_log(run_dir / "log.jsonl"))
+        r.epochs = summary["epochs"]
+        r.train_time_s = summary["train_time_s"]
+        r.images_per_s = summary["images_per_s"]
+        r.best_val_acc = summary["best_val_acc"]
+        if summary["peak_mem_mb"] is not None:
+            r.peak_mem_mb, r.peak_mem_source = summary["peak_mem_mb"], "log"
+        elif run.max_rss_mb is not None:
+            r.peak_mem_mb, r.peak_mem_source = run.max_rss_mb, "rss"
+        if run.interrupted:
+            r.status, r.reason = "interrupted", "interrupted by the user"
+            return r
+        if run.returncode != 0:
+            r.status, r.reason = FAILED, report.failure_reason(run.stderr, run.returncode)
+            return r
+        last = run_dir / "last.pth"
+        if not last.is_file() or r.epochs is None:
+            r.status = FAILED
+            r.reason = f"training exited 0 but wrote no {'last.pth' if not last.is_file() else 'log.jsonl'}"
+            return r
+        r.checkpoint = str(last)
+
+        cmd = self.eval_cmd(variant, last)
+        print(f"==> [{index}/{count}] {variant}: {eval_name(parallel)} on its last.pth", flush=True)
+        print("    " + shlex.join(cmd), flush=True)
+        ev = report.run_child(cmd, self.log_dir / f"{variant}.eval.log", env=self.env)
+        if ev.interrupted:
+            r.status, r.reason = "interrupted", "interrupted by the user (during eval)"
+            return r
+        parsed = report.parse_eval_output(ev.stdout) if ev.returncode == 0 else None
+        if parsed is None:
+            r.status = FAILED
+            r.reason = "eval: " + (report.failure_reason(ev.stderr, ev.returncode)
+                                   if ev.returncode != 0 else "no 'correct/total = acc' line")
+            return r
+        r.test_correct, r.test_total = parsed
+        r.test_acc = parsed[0] / parsed[1]
+        r.status = OK
+        return r
+
+    # -- the report -----------------------------------------------------------
+    def write(self, results: List[VariantResult], plot: bool = True) -> str:
+        a = self.args
+        command = shlex.join(["python", os.path.relpath(__file__)] + sys.argv[1:]) \
+            if sys.argv and sys.argv[0].endswith("compare.py") else "(from Python)"
+        machine = (f"{self.gpus} x {_gpu_name()}" if self.cuda
+                   else f"CPU: {_cpu_name()}, {os.cpu_count()} cores")
+        preamble = [
+            f"Command: `{command}`",
+            "",
+            f"- Machine: {machine}; torch {self.torch_version}, Python {platform.python_version()}",
+            f"- Data: {a.dataset} ({a.dataset_root}) at {a.img_size}px; {a.epochs} epochs, batch "
+            f"{a.batch_size} (per process under DDP), AdamW lr {a.lr:g}, seed {a.seed}",
+            f"- Run: {time.strftime('%Y-%m-%d %H:%M')}; DDP variants: {self.nproc} processes",
+        ]
+        notes = [
+            "Columns: *total wall time* is the training command from start to exit (process "
+            "start-up, data loading, validation and checkpoint writes included); *training time* "
+            "is the sum of the training loops alone (`train_time` in log.jsonl, device "
+            "synchronised, no validation); *images/s* is the median over the epochs after the "
+            "first (the only epoch's when there is one), all devices together; *peak memory* is "
+            "`peak_mem_mb` from log.jsonl (rank 0: `torch.cuda.max_memory_allocated` on a GPU, "
+            "max RSS on the CPU), or, marked (RSS), the peak resident memory of the largest "
+            "process of the command measured by compare.py; *test acc* is what the variant's "
+            "eval script prints for its last.pth.",
+        ]
+        report.write_csv(results, self.dir / "results.csv")
+        text = report.write_markdown(results, self.dir / "results.md",
+                                     title="AlexNet AMP comparison", preamble=preamble, notes=notes)
+        if not plot:
+            return text
+        try:
+            report.plot_results(results, self.dir / "results.png",
+                                title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
+        except Exception as e:  # a plot must not cost the user the table
+            print(f"compare.py: warning: results.png not written ({e})", file=sys.stderr)
+        return text
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    from ampkit.errors import UserError
+    try:
+        comp = Comparison(args)
+    except UserError as e:
+        print(f"compare.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"compare.py: {len(args.variant_list)} variant(s) on {comp.device}; results in "
+          f"{comp.dir}", flush=True)
+    results: List[VariantResult] = []
+    interrupted = False
+    for i, variant in enumerate(args.variant_list, 1):
+        if interrupted:
+            parallel, precision = TRAIN_VARIANTS[variant]
+            results.append(VariantResult(variant=variant, parallel=parallel, precision=precision,
+                                         amp_dtype="" if precision == "fp32" else comp.amp_dtype,
+                                         device=comp.device, devices=comp.devices(parallel),
+                                         status=NOT_RUN))
+            continue
+        r = comp.run_variant(variant, i, len(args.variant_list))
+        results.append(r)
+        if r.status == "interrupted":
+            interrupted = True
+        elif r.status != OK:
+            print(f"==> {variant} FAILED: {r.reason}", flush=True)
+        comp.write(results, plot=False)  # after every variant: a long comparison keeps what it has
+
+    comp.write(results)
+    print("\n" + report.markdown_table(results))
+    print(f"\nresults: {comp.dir / 'results.csv'}, results.md, results.png")
+    if args.tensorboard:
+        print(f"TensorBoard: this comparison's runs are under {comp.tb_dir}/<variant>/; to see "
+              f"every variant in one view: tensorboard --logdir {_short(args.tensorboard_root)}")
+    failed = [r.variant for r in results if r.status == FAILED]
+    if failed:
+        print(f"{len(failed)} of {len(results)} variant(s) failed: {', '.join(failed)}", flush=True)
+    if interrupted:
+        return 130
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
