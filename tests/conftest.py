@@ -1,0 +1,251 @@
+"""Shared test helpers for the AMP scripts (imported by every test file).
+
+``AMP/`` is put on ``sys.path`` so tests can ``import ampkit`` and ``import alexnet``
+in-process.
+
+Fixtures (session-scoped, generated once per test session, never touching the repo):
+
+``imagefolder_root`` -> Path
+    A tiny *learnable* ImageFolder data set: ``<root>/train/<class>/*.png`` and
+    ``<root>/val/<class>/*.png``, 3 classes (``red``, ``green``, ``blue``: the class is
+    the dominant colour of a noisy 32x32 image). 16 train and 7 val images per class,
+    i.e. 48 train / 21 val: the val size is odd, so no world size > 1 divides it.
+    See ``IF_CLASSES``, ``IF_TRAIN_PER_CLASS``, ``IF_VAL_PER_CLASS``, ``IF_VAL_SIZE``.
+
+``cifar_root`` -> Path
+    A tiny CIFAR-10 in torchvision's on-disk format (what ``cifar-10-python.tar.gz``
+    extracts to): ``<root>/cifar-10-batches-py/data_batch_1..5``, ``test_batch`` and
+    ``batches.meta`` (latin1-compatible pickles; ``data`` is uint8 N x 3072,
+    ``labels`` a list; the meta dict has ``label_names``). ``CIFAR_TRAIN_PER_BATCH``
+    images per train batch (``CIFAR_TRAIN_SIZE`` in all) and ``CIFAR_TEST_SIZE`` (odd)
+    test images; the class is again a colour, so it is learnable.
+
+Functions:
+
+``run_script(name, *args, torchrun_nproc=None, env=None, timeout=DEFAULT_TIMEOUT)``
+    Run ``python AMP/<name>.py *args`` from the repository root, or, with
+    ``torchrun_nproc=N``, ``python -m torch.distributed.run --standalone
+    --nproc_per_node=N AMP/<name>.py *args`` (``--standalone`` picks a free
+    rendezvous port, so parallel runs never collide). ``name`` may be given with or
+    without ``.py``. ``env`` is merged over a copy of ``os.environ`` from which
+    torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...) are removed.
+    Returns a :class:`ScriptResult`, which unpacks as ``(returncode, stdout, stderr)``
+    with tqdm's carriage-return redraws removed (``clean_output``); the untouched text
+    is in ``.raw_stdout`` / ``.raw_stderr``. On timeout the whole process group is
+    killed and the test fails with the output so far.
+
+``clean_output(text)``: keep what a terminal would finally show on each line (the part
+    after the last ``\\r``); drop blank lines and tqdm progress-bar lines.
+``parse_accuracy(stdout)`` -> ``(correct, total)`` from the eval scripts' ``correct/total = acc``.
+``assert_clean_stderr(stderr)``: no traceback, no ``*Warning`` (DeprecationWarning,
+    FutureWarning, UserWarning, ...), no ``warning:`` line other than ampkit's own
+    "warning: this CPU has no native bfloat16" notice.
+``tiny_args(...)``: the common flags of a quick run (64 px, 1 epoch, ``--no-cuda``,
+    ``--no-tensorboard``, checkpoint and TensorBoard under the given temporary folder).
+``event_files(folder)``: TensorBoard event files under a folder (recursively).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+AMP_DIR = REPO_ROOT / "AMP"
+if str(AMP_DIR) not in sys.path:
+    sys.path.insert(0, str(AMP_DIR))
+
+DEFAULT_TIMEOUT = 600  # seconds; generous: the test machine's 2 cores are shared
+
+# ---------------------------------------------------------------- data: ImageFolder
+IF_CLASSES = ("blue", "green", "red")  # ImageFolder sorts class folders by name
+IF_COLOURS = {"red": (210, 40, 40), "green": (40, 190, 40), "blue": (40, 40, 210)}
+IF_TRAIN_PER_CLASS = 16
+IF_VAL_PER_CLASS = 7
+IF_TRAIN_SIZE = IF_TRAIN_PER_CLASS * len(IF_CLASSES)  # 48
+IF_VAL_SIZE = IF_VAL_PER_CLASS * len(IF_CLASSES)      # 21 (odd)
+IMG_PX = 32
+
+# ---------------------------------------------------------------- data: CIFAR-10
+CIFAR_LABEL_NAMES = ["airplane", "automobile", "bird", "cat", "deer",
+                     "dog", "frog", "horse", "ship", "truck"]
+CIFAR_TRAIN_PER_BATCH = 6
+CIFAR_TRAIN_SIZE = 5 * CIFAR_TRAIN_PER_BATCH  # 30
+CIFAR_TEST_SIZE = 11                          # odd
+
+
+def _noisy_image(rng: np.random.Generator, colour: Sequence[int]) -> np.ndarray:
+    """HWC uint8: a flat colour plus noise (the class is recoverable from the mean colour)."""
+    base = np.asarray(colour, dtype=np.int16)[None, None, :]
+    noise = rng.integers(-35, 36, size=(IMG_PX, IMG_PX, 3), dtype=np.int16)
+    return np.clip(base + noise, 0, 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="session")
+def imagefolder_root(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("imagefolder")
+    rng = np.random.default_rng(1234)
+    for split, per_class in (("train", IF_TRAIN_PER_CLASS), ("val", IF_VAL_PER_CLASS)):
+        for name in IF_CLASSES:
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.fromarray(_noisy_image(rng, IF_COLOURS[name])).save(folder / f"{i:03d}.png")
+    return root
+
+
+def _cifar_colour(label: int) -> Tuple[int, int, int]:
+    # 10 well-separated colours: corners and edges of the RGB cube.
+    palette = [(230, 30, 30), (30, 230, 30), (30, 30, 230), (230, 230, 30), (230, 30, 230),
+               (30, 230, 230), (240, 240, 240), (20, 20, 20), (128, 128, 30), (30, 128, 128)]
+    return palette[label]
+
+
+def _cifar_batch(rng: np.random.Generator, labels: List[int], name: str) -> Dict:
+    # CIFAR's row layout: 1024 red, 1024 green, 1024 blue values per image (CHW flattened).
+    data = np.stack([_noisy_image(rng, _cifar_colour(y)).transpose(2, 0, 1).reshape(-1)
+                     for y in labels])
+    assert data.shape == (len(labels), 3072) and data.dtype == np.uint8
+    return {"batch_label": name, "labels": list(labels), "data": data,
+            "filenames": [f"img_{i}.png" for i in range(len(labels))]}
+
+
+@pytest.fixture(scope="session")
+def cifar_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cifar")
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(99)
+    label = 0
+    for b in range(1, 6):
+        labels = [(label + i) % 10 for i in range(CIFAR_TRAIN_PER_BATCH)]
+        label += CIFAR_TRAIN_PER_BATCH
+        with open(folder / f"data_batch_{b}", "wb") as f:
+            pickle.dump(_cifar_batch(rng, labels, f"training batch {b} of 5"), f, protocol=2)
+    test_labels = [i % 10 for i in range(CIFAR_TEST_SIZE)]
+    with open(folder / "test_batch", "wb") as f:
+        pickle.dump(_cifar_batch(rng, test_labels, "testing batch 1 of 1"), f, protocol=2)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": CIFAR_LABEL_NAMES, "num_cases_per_batch": 10000,
+                     "num_vis": 3072}, f, protocol=2)
+    return root
+
+
+# ---------------------------------------------------------------- running scripts
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                  "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+class ScriptResult(tuple):
+    """``(returncode, stdout, stderr)`` (cleaned of tqdm redraws), plus the raw text."""
+
+    def __new__(cls, returncode: int, raw_stdout: str, raw_stderr: str, cmd: List[str]):
+        self = super().__new__(cls, (returncode, clean_output(raw_stdout),
+                                     clean_output(raw_stderr)))
+        self.raw_stdout, self.raw_stderr, self.cmd = raw_stdout, raw_stderr, cmd
+        return self
+
+    returncode = property(lambda self: self[0])
+    stdout = property(lambda self: self[1])
+    stderr = property(lambda self: self[2])
+
+    def describe(self) -> str:
+        """For assertion messages: the command, its exit status and its output."""
+        return (f"$ {' '.join(self.cmd)}\nexit {self.returncode}\n--- stdout\n{self.stdout}"
+                f"\n--- stderr\n{self.stderr}")
+
+
+_TQDM_BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+")
+
+
+def clean_output(text: str) -> str:
+    lines = []
+    for line in text.split("\n"):
+        shown = line.split("\r")[-1].rstrip()
+        if shown.strip() and not _TQDM_BAR.search(shown):
+            lines.append(shown)
+    return "\n".join(lines)
+
+
+def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
+               env: Optional[Dict[str, str]] = None,
+               timeout: float = DEFAULT_TIMEOUT) -> ScriptResult:
+    script = f"AMP/{name if name.endswith('.py') else name + '.py'}"
+    assert (REPO_ROOT / script).is_file(), f"no such script: {script}"
+    argv = [str(a) for a in args]
+    if torchrun_nproc is None:
+        cmd = [sys.executable, script, *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={torchrun_nproc}", script, *argv]
+    full_env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+    if torchrun_nproc is not None:
+        # What torchrun would set anyway (and warn about): one thread per process.
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n"
+                    f"{clean_output(out)}\n--- stderr\n{clean_output(err)}")
+    return ScriptResult(proc.returncode, out, err, cmd)
+
+
+_ACC_RE = re.compile(r"(\d+)/(\d+) = (\d+(?:\.\d+)?)\s*$", re.M)
+
+
+def parse_accuracy(stdout: str) -> Tuple[int, int]:
+    """``(correct, total)`` from the one ``correct/total = acc`` line of an eval script."""
+    found = _ACC_RE.findall(clean_output(stdout))
+    assert len(found) == 1, f"expected one 'correct/total = acc' line, got {found!r} in:\n{stdout}"
+    correct, total, acc = found[0]
+    correct, total = int(correct), int(total)
+    assert abs(float(acc) - correct / total) < 1e-3, f"{correct}/{total} != {acc}"
+    return correct, total
+
+
+OWN_WARNING = "warning: this CPU has no native bfloat16"
+
+
+def assert_clean_stderr(stderr: str) -> None:
+    text = clean_output(stderr)
+    assert "Traceback" not in text, text
+    for line in text.splitlines():
+        assert "Warning" not in line, f"a warning was printed: {line!r}\n{text}"
+        if line.lower().startswith("warning:"):
+            assert line.startswith(OWN_WARNING), f"unexpected warning: {line!r}"
+
+
+def tiny_args(tmp: Path, dataset_root: Path, *, dataset: str = "ImageFolder",
+              epochs: int = 1, batch_size: int = 16, lr: Optional[float] = None,
+              tensorboard: bool = False) -> List[str]:
+    args = ["--dataset", dataset, "--dataset_root", dataset_root, "--img_size", "64",
+            "--epochs", str(epochs), "--batch_size", str(batch_size), "--no-cuda",
+            "--checkpoint", tmp / "checkpoint", "--tensorboard_log", tmp / "tensorboard",
+            "--tensorboard" if tensorboard else "--no-tensorboard"]
+    if lr is not None:
+        args += ["--lr", str(lr)]
+    return [str(a) for a in args]
+
+
+def event_files(folder: Path) -> List[Path]:
+    folder = Path(folder)
+    return sorted(folder.rglob("events.out.tfevents*")) if folder.exists() else []

@@ -1,0 +1,175 @@
+"""In-process dtype checks: each variant's forward runs in the precision it names.
+
+The autocast variants must compute AlexNet in the low-precision dtype (bfloat16 on
+the CPU), also through ``nn.DataParallel`` and ``DistributedDataParallel``; the fp32
+variants must stay float32. ``AlexNet.forward`` re-enters autocast itself (with the
+model's ``amp_dtype``), which is what keeps DataParallel's worker threads -- where the
+caller's thread-local autocast state is not active -- in the right dtype.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from alexnet import AlexNet, alexnet
+from ampkit.distributed import DistInfo
+from ampkit.precision import autocast_factory, resolve_amp_dtype
+from ampkit.train import wrap_model
+from ampkit.variants import TRAIN_VARIANTS
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model():
+    """One AlexNet (3 classes) shared by the tests here: building one takes ~1 s."""
+    torch.manual_seed(0)
+    m = alexnet(num_classes=3).eval()
+    yield m
+    m.amp_dtype = None
+
+
+@pytest.fixture(scope="module")
+def images():
+    torch.manual_seed(1)
+    return torch.randn(2, 3, 64, 64)
+
+
+@pytest.fixture(scope="module")
+def gloo_group():
+    """A one-process gloo group, so DistributedDataParallel can wrap the model in-process."""
+    if dist.is_initialized():  # pragma: no cover - another test module left one
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module):
+    """Record the dtypes of a conv activation, a hidden linear activation and the output."""
+    seen = {}
+    hooks = [model.features[0].register_forward_hook(lambda m, i, o: seen.__setitem__("conv1", o.dtype)),
+             model.classifier[4].register_forward_hook(lambda m, i, o: seen.__setitem__("fc2", o.dtype))]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def variant_amp_dtype(precision: str) -> torch.dtype | None:
+    """What ampkit.train.run picks for a variant on the CPU with no --amp_dtype."""
+    return resolve_amp_dtype(None, CPU) if precision != "fp32" else None
+
+
+def test_cpu_default_amp_dtype_is_bfloat16():
+    assert resolve_amp_dtype(None, CPU) is torch.bfloat16
+    assert resolve_amp_dtype("float16", CPU) is torch.float16
+
+
+@pytest.mark.parametrize("variant", sorted(TRAIN_VARIANTS))
+def test_variant_forward_dtype(variant, model, images, gloo_group):
+    parallel, precision = TRAIN_VARIANTS[variant]
+    amp_dtype = variant_amp_dtype(precision)
+    want = torch.float32 if precision == "fp32" else torch.bfloat16
+    model.amp_dtype = amp_dtype
+    try:
+        wrapped = wrap_model(model, parallel, DistInfo(device=CPU, distributed=parallel == "ddp"))
+        expected_wrapper = {"single": AlexNet, "dp": nn.DataParallel,
+                            "ddp": nn.parallel.DistributedDataParallel}[parallel]
+        assert type(wrapped) is expected_wrapper
+        with torch.no_grad(), recording(model) as seen, autocast_factory(CPU, amp_dtype)():
+            out = wrapped(images)
+    finally:
+        model.amp_dtype = None
+    assert out.shape == (2, 3)
+    assert seen == {"conv1": want, "fc2": want}, variant
+    assert out.dtype == want, variant
+
+
+def test_forward_decorator_applies_dtype_without_outer_autocast(model, images):
+    """No autocast around the call (as in a DP worker thread): the model enters it itself."""
+    assert not torch.is_autocast_enabled("cpu")
+    model.amp_dtype = torch.bfloat16
+    try:
+        with torch.no_grad(), recording(model) as seen:
+            out = model(images)
+    finally:
+        model.amp_dtype = None
+    assert out.dtype == torch.bfloat16
+    assert seen == {"conv1": torch.bfloat16, "fc2": torch.bfloat16}
+    assert not torch.is_autocast_enabled("cpu"), "forward leaked autocast into the caller"
+    # amp_dtype None: plain fp32, as the fp32 variants need.
+    with torch.no_grad():
+        assert model(images).dtype == torch.float32
+
+
+def test_forward_uses_the_dtype_chosen_at_run_time(model, images):
+    """--amp_dtype float16 on the CPU: the decorator uses the model's dtype, not a fixed one."""
+    model.amp_dtype = torch.float16
+    try:
+        with torch.no_grad(), recording(model) as seen:
+            out = model(images)
+    finally:
+        model.amp_dtype = None
+    assert out.dtype == torch.float16
+    assert seen["fc2"] == torch.float16
+
+
+def test_dtype_in_a_worker_thread_under_callers_autocast(model, images):
+    """DataParallel runs replicas in threads; autocast state is thread-local and a thread
+    does not inherit the caller's dtype. The decorated forward must still run in bf16."""
+    results = {}
+
+    def worker():
+        with torch.no_grad():
+            results["plain_linear"] = nn.Linear(4, 2)(torch.randn(1, 4)).dtype
+            results["alexnet"] = model(images).dtype
+
+    model.amp_dtype = torch.bfloat16
+    try:
+        with autocast_factory(CPU, torch.bfloat16)():
+            t = threading.Thread(target=worker)
+            t.start()
+            t.join()
+    finally:
+        model.amp_dtype = None
+    # Control: the thread really is outside the caller's autocast ...
+    assert results["plain_linear"] == torch.float32
+    # ... and the model still computes in bf16 there.
+    assert results["alexnet"] == torch.bfloat16
+
+
+def test_dataparallel_wrapper_keeps_bf16_without_outer_autocast(model, images):
+    model.amp_dtype = torch.bfloat16
+    try:
+        with torch.no_grad(), recording(model) as seen:
+            out = nn.DataParallel(model)(images)
+    finally:
+        model.amp_dtype = None
+    assert out.dtype == torch.bfloat16
+    assert seen["conv1"] == torch.bfloat16
+
+
+def test_fp32_model_stays_fp32_under_dataparallel(model, images):
+    with torch.no_grad(), recording(model) as seen, autocast_factory(CPU, None)():
+        out = nn.DataParallel(model)(images)
+    assert out.dtype == torch.float32
+    assert seen == {"conv1": torch.float32, "fc2": torch.float32}
+
+
+def test_amp_dtype_is_not_saved_in_the_state_dict():
+    """amp_dtype is a plain attribute: checkpoints of fp32 and AMP runs are interchangeable."""
+    with torch.device("meta"):
+        fp32, amp = AlexNet(num_classes=3), AlexNet(num_classes=3, amp_dtype=torch.bfloat16)
+    assert fp32.state_dict().keys() == amp.state_dict().keys()
+    assert all(v.dtype == torch.float32 for v in amp.state_dict().values())
