@@ -1,0 +1,185 @@
+"""Steady-state training throughput of each variant, and of the input pipeline alone.
+
+    python AMP/benchmark.py                                    # all nine variants, 227px, batch 64
+    python AMP/benchmark.py --variants train_without,train_autocast --steps 50 --warmup 10
+    python AMP/benchmark.py --peak_tflops 165 --json bench.json  # utilisation against a peak
+
+Model: the real training loop (ampkit.engine.train_one_epoch) over --steps synthetic
+batches already on the device, after --warmup steps that are not counted; timed with
+CUDA events on a GPU (perf_counter on the CPU), the device synchronised before the clock
+is read. Reports step time, images/s, peak memory (torch.cuda.max_memory_allocated, or
+the process's max RSS on the CPU), FLOPs per step counted by torch.utils.flop_counter and,
+with --peak_tflops (per device), the utilisation. DDP variants run as a one-process group
+(the DDP machinery on one device; multi-process runs are what compare.py measures).
+
+Input pipeline: images/s delivered to the device at --img_size by the classic DataLoader
+path (--dataset, default FakeData) and by the fast device path when ampkit has it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from ampkit.config import AMP_DTYPES, DATA_DIR, DATASETS, MIN_IMG_SIZE, Parser
+from ampkit.variants import TRAIN_VARIANTS
+
+PIPELINES = ("both", "classic", "fast", "none")
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="benchmark.py", description=__doc__.split("\n\n")[0],
+               formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(
+                   prog, max_help_position=32))
+    p.add_argument("--variants", default=",".join(TRAIN_VARIANTS),
+                   help="comma-separated variants to measure, or 'none' (pipeline only)")
+    p.add_argument("--batch_size", type=int, default=64, help="images per step (per process)")
+    p.add_argument("--img_size", type=int, default=227)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=5, help="steps run first and not counted")
+    p.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA (--no-cuda: CPU). Default: CUDA when available")
+    p.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
+                   help="autocast dtype (default: float16 on CUDA, bfloat16 on the CPU)")
+    p.add_argument("--num_classes", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--peak_tflops", type=float, default=None,
+                   help="peak TFLOP/s of ONE device at the variant's precision, for the "
+                        "utilisation column (e.g. the datasheet's dense fp16/bf16 figure)")
+    p.add_argument("--pipeline", choices=PIPELINES, default="both",
+                   help="which input paths to measure")
+    p.add_argument("--dataset", choices=DATASETS, default="FakeData",
+                   help="data set of the classic input path")
+    p.add_argument("--dataset_root", type=Path, default=DATA_DIR)
+    p.add_argument("--num_workers", type=int, default=None,
+                   help="DataLoader workers of the classic path (default: 4 with CUDA, 0 on CPU)")
+    p.add_argument("--pipeline_batches", type=int, default=10,
+                   help="timed batches of the input pipeline (after --warmup batches, at most 2)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.variants.strip().lower() == "none":
+        names = []
+    else:
+        names = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = [v for v in names if v not in TRAIN_VARIANTS]
+        if unknown:
+            p.error(f"unknown variant(s) {', '.join(unknown)}; choose from "
+                    f"{', '.join(TRAIN_VARIANTS)} or 'none'")
+    args.variant_list = names
+    for flag in ("batch_size", "steps", "num_classes", "pipeline_batches"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag} must be a positive integer")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    if args.img_size < MIN_IMG_SIZE:
+        p.error(f"--img_size must be at least {MIN_IMG_SIZE} for AlexNet")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        p.error("--peak_tflops must be positive")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from ampkit import bench
+    from ampkit.data import default_workers
+    from ampkit.distributed import want_cuda
+    from ampkit.errors import UserError
+    from ampkit.precision import cpu_has_fast_bf16
+
+    try:
+        device = torch.device("cuda" if want_cuda(args.cuda) else "cpu")
+    except UserError as e:
+        print(f"benchmark.py: error: {e}", file=sys.stderr)
+        return 2
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"benchmark.py: {len(args.variant_list)} variant(s) on {where}, batch {args.batch_size} "
+          f"at {args.img_size}px, {args.warmup} warm-up + {args.steps} timed steps", flush=True)
+    if device.type == "cpu" and args.amp_dtype != "float16" and cpu_has_fast_bf16() is False \
+            and any(TRAIN_VARIANTS[v][1] != "fp32" for v in args.variant_list):
+        print("warning: this CPU has no native bfloat16 (AVX512-BF16/AMX): the autocast "
+              "variants will be several times slower than fp32 here", file=sys.stderr)
+
+    steps: List[bench.StepResult] = []
+    ddp = bench.DDPGroup(device.type == "cuda")
+    failed = 0
+    try:
+        for variant in args.variant_list:
+            try:
+                r = bench.measure_variant(
+                    variant, device=device, batch_size=args.batch_size, img_size=args.img_size,
+                    warmup=args.warmup, steps=args.steps, amp_dtype=args.amp_dtype,
+                    num_classes=args.num_classes, lr=args.lr, peak_tflops=args.peak_tflops,
+                    ddp=ddp)
+            except (UserError, RuntimeError, ValueError) as e:
+                par, prec = TRAIN_VARIANTS[variant]
+                r = bench.StepResult(variant=variant, parallel=par, precision=prec, amp_dtype="",
+                                     device=device.type, devices=1, batch_size=args.batch_size,
+                                     img_size=args.img_size, warmup=args.warmup,
+                                     steps=args.steps, status="failed",
+                                     reason=(str(e).strip().splitlines() or [type(e).__name__])[0])
+                failed += 1
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            steps.append(r)
+            if r.status == "ok":
+                print(f"  {variant}: {r.step_ms:.1f} ms/step, {r.images_per_s:.1f} images/s",
+                      flush=True)
+            else:
+                print(f"  {variant}: FAILED: {r.reason}", flush=True)
+    finally:
+        ddp.close()
+
+    pipes: List[bench.PipelineResult] = []
+    workers = default_workers(args.num_workers, device)
+    warm = min(args.warmup, 2)
+    if args.pipeline in ("both", "classic"):
+        try:
+            pipes.append(bench.measure_classic_pipeline(
+                args.dataset, args.dataset_root, args.img_size, args.batch_size, workers, device,
+                warmup=warm, batches=args.pipeline_batches))
+        except (UserError, RuntimeError, ValueError, OSError) as e:
+            failed += 1
+            pipes.append(bench.PipelineResult("classic", args.dataset, args.img_size,
+                                              args.batch_size, workers, device.type,
+                                              status="failed", reason=str(e).splitlines()[0]))
+    if args.pipeline in ("both", "fast"):
+        try:
+            pipes.append(bench.measure_fast_pipeline(
+                args.dataset, args.dataset_root, args.img_size, args.batch_size, device,
+                warmup=warm, batches=args.pipeline_batches))
+        except Exception as e:  # the fast path is another module's: report, do not crash
+            failed += 1
+            pipes.append(bench.PipelineResult("fast", args.dataset, args.img_size,
+                                              args.batch_size, 0, device.type, status="failed",
+                                              reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+
+    if steps:
+        print("\nTraining step (synthetic batches on the device; warm-up excluded; "
+              f"timer: {'CUDA events' if device.type == 'cuda' else 'perf_counter'}):")
+        print(bench.step_table(steps))
+        if args.peak_tflops is None:
+            print("(util: give --peak_tflops, one device's peak at the variant's precision)")
+    if pipes:
+        print(f"\nInput pipeline alone (images/s delivered to {device.type} at {args.img_size}px):")
+        print(bench.pipeline_table(pipes))
+    if args.json is not None:
+        out = {"device": where, "torch": torch.__version__, "args": {
+                   k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "steps": [r.as_dict() for r in steps], "pipeline": [p.as_dict() for p in pipes]}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        print(f"\nwritten: {args.json}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

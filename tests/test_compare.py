@@ -1,0 +1,184 @@
+"""Issue 3: compare.py (the side-by-side table of the variants) and benchmark.py."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import IF_VAL_SIZE, event_files, parse_accuracy, run_script
+
+from ampkit import report  # AMP/ is on sys.path (conftest)
+
+OK_VARIANTS = ("train_without", "train_DDP")
+FAILING = "train_GradScaler"  # forced to fail with an unknown flag
+
+
+# ------------------------------------------------------------------ unit: report helpers
+def test_summarise_log_sums_training_time_and_takes_steady_throughput():
+    rows = [{"epoch": 1, "train_time": 10.0, "images_per_s": 50.0, "val_acc": 0.4},
+            {"epoch": 2, "train_time": 8.0, "images_per_s": 100.0, "val_acc": 0.7},
+            {"epoch": 3, "train_time": 8.5, "images_per_s": 90.0, "val_acc": 0.6},
+            {"epoch": 4, "train_time": 7.5, "images_per_s": 110.0, "val_acc": 0.65}]
+    s = report.summarise_log(rows)
+    assert s["epochs"] == 4
+    assert s["train_time_s"] == pytest.approx(34.0)
+    assert s["images_per_s"] == pytest.approx(100.0)  # median of the epochs after the first
+    assert s["best_val_acc"] == pytest.approx(0.7)
+    assert s["peak_mem_mb"] is None  # not in these rows: compare.py measures RSS instead
+    one = report.summarise_log([{"epoch": 1, "train_time": 2.0, "images_per_s": 12.0,
+                                 "val_acc": 0.5, "peak_mem_mb": 300.0}])
+    assert one["images_per_s"] == 12.0 and one["peak_mem_mb"] == 300.0
+    # A resumed run appends a row for an epoch it redid: the last one counts, once.
+    again = report.summarise_log(rows[:2] + [dict(rows[1], train_time=9.0)])
+    assert again["epochs"] == 2 and again["train_time_s"] == pytest.approx(19.0)
+
+
+def test_failure_reason_finds_the_one_line():
+    argparse_err = "epoch 1/1:  50%|#####     | 1/2\rtrain_DP.py: error: unrecognized arguments: --x (see --help)\n"
+    assert report.failure_reason(argparse_err, 2) == \
+        "train_DP.py: error: unrecognized arguments: --x (see --help)"
+    traceback = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+                 "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB\n")
+    assert report.failure_reason(traceback, 1).startswith("RuntimeError: CUDA out of memory")
+    torchrun = ("train_DDP.py: error: --epochs must be a positive integer, got 0\n"
+                "E1130 08:00:00.000 123 torch/distributed/elastic/multiprocessing/api.py:900] "
+                "failed (exitcode: 2) local_rank: 0 (pid: 5) of binary: python\n"
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                "============================================================\n"
+                "AMP/train_DDP.py FAILED\n------------------------------------------------------------\n"
+                "Failures:\n  <NO_OTHER_FAILURES>\nRoot Cause (first observed failure):\n[0]:\n"
+                "  rank      : 0 (local_rank: 0)\n  exitcode  : 2 (pid: 5)\n"
+                "  error_file: <N/A>\n  traceback : To enable traceback see: "
+                "https://pytorch.org/docs/stable/elastic/errors.html\n"
+                "============================================================\n")
+    assert report.failure_reason(torchrun, 1) == \
+        "train_DDP.py: error: --epochs must be a positive integer, got 0"
+    assert "signal 9" in report.failure_reason("epoch 1/1:  10%|#  | 1/10\r", -9)
+
+
+def test_parse_eval_output():
+    out = ("checkpoint: /x/last.pth\n"
+           "top-1 accuracy on ImageFolder test split (64px, 2 processes): 13/21 = 0.6190\n")
+    assert report.parse_eval_output(out) == (13, 21)
+    assert report.parse_eval_output("no accuracy here\n") is None
+
+
+def test_compare_flags_are_checked_before_anything_runs(tmp_path):
+    import compare
+
+    with pytest.raises(SystemExit) as e:
+        compare.parse_args(["--variants", "train_without,train_nope"])
+    assert e.value.code == 2
+    args = compare.parse_args(["--variants", "train_DP,train_DDP_autocast", "--out", str(tmp_path),
+                               "--extra_args", "train_DP=--log_every 5", "--extra_args=--lr=0.1"])
+    assert args.variant_list == ["train_DP", "train_DDP_autocast"]
+    assert args.extra == {"train_DP": ["--log_every", "5"], None: ["--lr=0.1"]}
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--extra_args", "train_typo=--x"])
+
+
+# ------------------------------------------------------------------ end to end: compare.py
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory, imagefolder_root):
+    """One compare.py run: two variants that work (one DDP on 2 processes), one forced to fail."""
+    tmp = tmp_path_factory.mktemp("compare")
+    res = run_script("compare", "--variants", ",".join([OK_VARIANTS[0], FAILING, OK_VARIANTS[1]]),
+                     "--dataset", "ImageFolder", "--dataset_root", imagefolder_root,
+                     "--img_size", "64", "--epochs", "1", "--batch_size", "16", "--lr", "1e-3",
+                     "--no-cuda", "--out", tmp / "results", "--tensorboard_root", tmp / "tb",
+                     "--extra_args", f"{FAILING}=--bogus_flag 1")
+    runs = sorted((tmp / "results").iterdir())
+    assert len(runs) == 1, res.describe()
+    rows = list(csv.DictReader(open(runs[0] / "results.csv", newline="")))
+    return res, runs[0], rows, tmp
+
+
+def test_compare_writes_the_three_files_and_prints_the_table(comparison):
+    res, out, rows, tmp = comparison
+    for name in ("results.csv", "results.md", "results.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, res.describe()
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "results.md").read_text()
+    for v in (*OK_VARIANTS, FAILING):
+        assert v in md and v in res.stdout
+    assert "python AMP/compare.py" in md  # the exact command is recorded
+    assert "| variant" in res.stdout  # the table, printed at the end
+    assert "tensorboard --logdir" in res.stdout
+    # every variant's TensorBoard run in one tree, one folder per variant
+    tb = tmp / "tb"
+    for v in OK_VARIANTS:
+        assert event_files(next(tb.glob(f"compare-*/{v}"))), f"no TensorBoard events for {v}"
+
+
+def test_compare_csv_has_one_row_per_variant_with_sane_numbers(comparison):
+    res, out, rows, _ = comparison
+    assert [r["variant"] for r in rows] == [OK_VARIANTS[0], FAILING, OK_VARIANTS[1]]
+    for r in rows:
+        if r["variant"] == FAILING:
+            continue
+        assert r["status"] == "ok", res.describe()
+        assert r["epochs"] == "1"
+        for col in ("wall_time_s", "train_time_s", "images_per_s", "peak_mem_mb"):
+            assert float(r[col]) > 0, (col, r)
+        assert float(r["wall_time_s"]) > float(r["train_time_s"])  # start-up, val, IO not counted
+        for col in ("best_val_acc", "test_acc"):
+            assert 0.0 <= float(r[col]) <= 1.0, (col, r)
+        assert int(r["test_total"]) == IF_VAL_SIZE
+    ddp = rows[2]
+    assert (ddp["parallel"], ddp["devices"], ddp["device"]) == ("ddp", "2", "cpu")
+    assert rows[0]["amp_dtype"] == "" and rows[1]["amp_dtype"] == "bfloat16"
+
+
+def test_a_failing_variant_is_reported_and_the_others_still_run(comparison):
+    res, out, rows, _ = comparison
+    assert res.returncode == 1, res.describe()  # non-zero: a variant failed
+    failed = rows[1]
+    assert failed["status"] == "failed"
+    assert "unrecognized arguments: --bogus_flag" in failed["reason"]
+    assert "\n" not in failed["reason"]
+    assert f"{FAILING} FAILED" in res.stdout
+    assert "failed: " in (out / "results.md").read_text()
+    assert rows[2]["status"] == "ok"  # the variant after the failure still ran
+
+
+@pytest.mark.parametrize("variant", OK_VARIANTS)
+def test_compare_test_accuracy_is_what_the_eval_script_prints(comparison, variant):
+    res, out, rows, _ = comparison
+    row = next(r for r in rows if r["variant"] == variant)
+    ckpt = out / "checkpoint" / variant / "last.pth"
+    assert Path(row["checkpoint"]) == ckpt
+    # compare.py ran eval_without / eval_DDP (2 processes); eval_without must agree exactly.
+    ev = run_script("eval_without", "--checkpoint", ckpt, "--no-cuda", "--batch_size", "16")
+    assert ev.returncode == 0, ev.describe()
+    correct, total = parse_accuracy(ev.stdout)
+    assert (int(row["test_correct"]), int(row["test_total"])) == (correct, total)
+    assert float(row["test_acc"]) == pytest.approx(correct / total)
+
+
+# ------------------------------------------------------------------ benchmark.py
+def test_benchmark_prints_positive_throughput_for_model_and_input_pipeline(tmp_path):
+    out = tmp_path / "bench.json"
+    res = run_script("benchmark", "--no-cuda", "--variants", "train_without,train_DDP_autocast",
+                     "--img_size", "64", "--batch_size", "4", "--steps", "2", "--warmup", "1",
+                     "--pipeline_batches", "2", "--peak_tflops", "1", "--json", out)
+    assert res.returncode == 0, res.describe()
+    assert "Training step" in res.stdout and "Input pipeline alone" in res.stdout
+    data = json.loads(out.read_text())
+    assert [s["variant"] for s in data["steps"]] == ["train_without", "train_DDP_autocast"]
+    for s in data["steps"]:
+        assert s["status"] == "ok", s
+        for col in ("step_ms", "images_per_s", "peak_mem_mb", "gflop_per_step",
+                    "achieved_tflops", "utilisation"):
+            assert s[col] > 0, (col, s)
+        assert s["timer"] == "perf_counter" and s["steps"] == 2 and s["warmup"] == 1
+    # the same model and batch: the same FLOPs whatever the precision
+    assert data["steps"][0]["gflop_per_step"] == pytest.approx(data["steps"][1]["gflop_per_step"])
+    pipes = {p["path"]: p for p in data["pipeline"]}
+    assert pipes["classic"]["status"] == "ok" and pipes["classic"]["images_per_s"] > 0
+    if pipes.get("fast", {}).get("status") == "ok":
+        assert pipes["fast"]["images_per_s"] > 0
+    # the printed table carries the same positive numbers
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("classic"))
+    assert float(line.split()[-1]) > 0
