@@ -28,7 +28,10 @@ Functions:
     --nproc_per_node=N AMP/<name>.py *args`` (``--standalone`` picks a free
     rendezvous port, so parallel runs never collide). ``name`` may be given with or
     without ``.py``. ``env`` is merged over a copy of ``os.environ`` from which
-    torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...) are removed.
+    torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...) are removed; unless
+    PYTHONWARNINGS is set, DeprecationWarnings raised for ``AMP/`` code are made
+    visible (Python hides them by default outside ``__main__``), so
+    ``assert_clean_stderr`` sees them.
     Returns a :class:`ScriptResult`, which unpacks as ``(returncode, stdout, stderr)``
     with tqdm's carriage-return redraws removed (``clean_output``); the untouched text
     is in ``.raw_stdout`` / ``.raw_stderr``. On timeout the whole process group is
@@ -40,8 +43,10 @@ Functions:
 ``assert_clean_stderr(stderr)``: no traceback, no ``*Warning`` (DeprecationWarning,
     FutureWarning, UserWarning, ...), no ``warning:`` line other than ampkit's own
     "warning: this CPU has no native bfloat16" notice.
-``tiny_args(...)``: the common flags of a quick run (64 px, 1 epoch, ``--no-cuda``,
-    ``--no-tensorboard``, checkpoint and TensorBoard under the given temporary folder).
+``tiny_args(tmp, dataset_root, dataset=, epochs=1, batch_size=16, lr=None,
+    tensorboard=False, cuda=False)``: the flags of a quick training run (64 px,
+    ``--no-cuda`` unless ``cuda``, ``--no-tensorboard`` unless ``tensorboard``;
+    ``--checkpoint tmp/checkpoint`` and ``--tensorboard_log tmp/tensorboard``).
 ``event_files(folder)``: TensorBoard event files under a folder (recursively).
 """
 from __future__ import annotations
@@ -149,6 +154,16 @@ _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
                   "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
 
 
+def _show_our_deprecations() -> str:
+    """A PYTHONWARNINGS value that shows (Pending)DeprecationWarnings raised on behalf of
+    the project's own modules, which Python's default filters hide outside __main__
+    (FutureWarning and UserWarning are shown by default anyway)."""
+    modules = ["__main__", "alexnet", "ampkit"] + sorted(
+        f"ampkit.{p.stem}" for p in (AMP_DIR / "ampkit").glob("*.py") if p.stem != "__init__")
+    return ",".join(f"default::{cat}:{m}" for m in modules
+                    for cat in ("DeprecationWarning", "PendingDeprecationWarning"))
+
+
 class ScriptResult(tuple):
     """``(returncode, stdout, stderr)`` (cleaned of tqdm redraws), plus the raw text."""
 
@@ -192,6 +207,7 @@ def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={torchrun_nproc}", script, *argv]
     full_env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+    full_env.setdefault("PYTHONWARNINGS", _show_our_deprecations())
     if torchrun_nproc is not None:
         # What torchrun would set anyway (and warn about): one thread per process.
         full_env.setdefault("OMP_NUM_THREADS", "1")
@@ -236,9 +252,10 @@ def assert_clean_stderr(stderr: str) -> None:
 
 def tiny_args(tmp: Path, dataset_root: Path, *, dataset: str = "ImageFolder",
               epochs: int = 1, batch_size: int = 16, lr: Optional[float] = None,
-              tensorboard: bool = False) -> List[str]:
+              tensorboard: bool = False, cuda: bool = False) -> List[str]:
     args = ["--dataset", dataset, "--dataset_root", dataset_root, "--img_size", "64",
-            "--epochs", str(epochs), "--batch_size", str(batch_size), "--no-cuda",
+            "--epochs", str(epochs), "--batch_size", str(batch_size),
+            "--cuda" if cuda else "--no-cuda",
             "--checkpoint", tmp / "checkpoint", "--tensorboard_log", tmp / "tensorboard",
             "--tensorboard" if tensorboard else "--no-tensorboard"]
     if lr is not None:

@@ -1,0 +1,86 @@
+"""CUDA-only checks, skipped without a GPU: fp16 autocast on the GPU, DataParallel over the
+visible GPUs, DDP over NCCL with one process.
+
+Run them on a GPU machine with ``python -m pytest -q -m cuda``.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import IF_VAL_SIZE, assert_clean_stderr, parse_accuracy, run_script, tiny_args
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _model(dtype):
+    from alexnet import alexnet
+    torch.manual_seed(0)
+    return alexnet(num_classes=3, amp_dtype=dtype).cuda().eval()
+
+
+def test_gpu_default_autocast_is_float16():
+    from ampkit.precision import autocast_factory, resolve_amp_dtype
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dtype = resolve_amp_dtype(None, dev)
+    assert dtype is torch.float16
+    model = _model(dtype)
+    x = torch.randn(4, 3, 64, 64, device=dev)
+    with torch.no_grad():
+        with autocast_factory(dev, dtype)():
+            assert model(x).dtype == torch.float16
+        assert model(x).dtype == torch.float16  # the forward decorator alone
+        model.amp_dtype = None
+        assert model(x).dtype == torch.float32
+
+
+def test_dataparallel_over_visible_gpus_keeps_the_amp_dtype():
+    """Replicas run in worker threads that get autocast's enabled flag but not its dtype:
+    bf16 (where supported) must still be bf16 on every GPU."""
+    n = torch.cuda.device_count()
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    model = _model(dtype)
+    seen, lock = [], threading.Lock()
+
+    def hook(module, inputs, output):
+        with lock:
+            seen.append((output.device, output.dtype))
+
+    model.classifier[4].register_forward_hook(hook)
+    dp = nn.DataParallel(model)
+    assert dp.device_ids == list(range(n))
+    x = torch.randn(2 * n, 3, 64, 64, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        out = dp(x)
+    assert out.dtype == dtype
+    assert {d for d, _ in seen} == {torch.device("cuda", i) for i in range(n)}
+    assert all(t == dtype for _, t in seen), seen
+
+
+def test_train_dp_autocast_on_visible_gpus(tmp_path, imagefolder_root):
+    n = torch.cuda.device_count()
+    result = run_script("train_DP_autocast", *tiny_args(tmp_path, imagefolder_root, cuda=True))
+    assert result.returncode == 0, result.describe()
+    assert_clean_stderr(result.stderr)
+    assert " on cuda" in result.stdout and f"x{n} GPUs" in result.stdout, result.stdout
+    assert "(float16)" in result.stdout, result.stdout
+    assert (tmp_path / "checkpoint" / "train_DP_autocast" / "last.pth").is_file()
+
+
+def test_ddp_nccl_one_process_plain_python(tmp_path, imagefolder_root):
+    """`python AMP/train_DDP_autocast.py --cuda`: NCCL group of one on cuda:0, then eval."""
+    result = run_script("train_DDP_autocast", *tiny_args(tmp_path, imagefolder_root, cuda=True))
+    assert result.returncode == 0, result.describe()
+    assert_clean_stderr(result.stderr)
+    assert "on cuda:0 x1 processes" in result.stdout, result.stdout
+    assert "(float16)" in result.stdout, result.stdout
+    ckpt = tmp_path / "checkpoint" / "train_DDP_autocast" / "last.pth"
+    assert ckpt.is_file()
+    ev = run_script("eval_DDP", "--checkpoint", ckpt, "--cuda", "--autocast")
+    assert ev.returncode == 0, ev.describe()
+    assert parse_accuracy(ev.stdout)[1] == IF_VAL_SIZE

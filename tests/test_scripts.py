@@ -1,0 +1,354 @@
+"""End to end: the twelve AMP scripts as a user runs them, on tiny generated data.
+
+Each training variant runs once (lazily, cached for the module) and its outputs are
+shared by the tests below: the smoke test of each script, learning, TensorBoard on or
+off, checkpoint contents, and the eval scripts, which evaluate those checkpoints.
+DDP scripts run under ``torchrun --nproc_per_node=2`` (gloo on the CPU).
+
+Plan of the training runs (48 train / 21 val ImageFolder images, 64 px, CPU):
+- train_without: 3 epochs (also the learning test);
+- train_GradScaler: on the generated CIFAR-10 files (the CIFAR-10 code path);
+- train_DDP_GradScaler: with --tensorboard (rank 0 only must write);
+- all others: 1 epoch, --no-tensorboard.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+from conftest import (CIFAR_TEST_SIZE, CIFAR_TRAIN_SIZE, IF_TRAIN_SIZE, IF_VAL_SIZE,
+                      ScriptResult, assert_clean_stderr, event_files, parse_accuracy,
+                      run_script, tiny_args)
+
+pytestmark = pytest.mark.slow
+
+TRAIN_SCRIPTS = ["train_without", "train_autocast", "train_GradScaler",
+                 "train_DP", "train_DP_autocast", "train_DP_GradScaler",
+                 "train_DDP", "train_DDP_autocast", "train_DDP_GradScaler"]
+
+# Per variant: epochs, batch size, data set, processes, TensorBoard.
+PLAN: Dict[str, dict] = {
+    "train_without": dict(epochs=3, batch_size=16),       # 3 steps an epoch
+    "train_autocast": dict(batch_size=48),                # 1 step, 1 val batch
+    "train_GradScaler": dict(batch_size=16, dataset="CIFAR10"),
+    "train_DP": dict(batch_size=48),
+    "train_DP_autocast": dict(batch_size=48),
+    "train_DP_GradScaler": dict(batch_size=48),
+    "train_DDP": dict(batch_size=24, nproc=2),            # 24 images per rank
+    "train_DDP_autocast": dict(batch_size=24, nproc=2),
+    "train_DDP_GradScaler": dict(batch_size=12, nproc=2, tensorboard=True),  # 2 steps per rank
+}
+TB_VARIANT = "train_DDP_GradScaler"
+
+HEADER = re.compile(r"^(?P<variant>train_\w+): (?P<dataset>\w+) \((?P<train>\d+) train / "
+                    r"(?P<val>\d+) val images, (?P<classes>\d+) classes\) at (?P<px>\d+)px on "
+                    r"(?P<device>\S+)(?P<rest>.*)$", re.M)
+EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+)\s+train_loss (\S+)\s+val_acc (\S+) \((\d+)/(\d+)\)",
+                        re.M)
+
+
+@dataclass
+class TrainRun:
+    variant: str
+    result: ScriptResult
+    run_dir: Path        # <checkpoint>/<variant>
+    tb_root: Path        # what --tensorboard_log pointed at
+    epochs: int
+    dataset: str
+    nproc: Optional[int]
+
+    @property
+    def n_train(self) -> int:
+        return CIFAR_TRAIN_SIZE if self.dataset == "CIFAR10" else IF_TRAIN_SIZE
+
+    @property
+    def n_val(self) -> int:
+        return CIFAR_TEST_SIZE if self.dataset == "CIFAR10" else IF_VAL_SIZE
+
+    @property
+    def n_classes(self) -> int:
+        return 10 if self.dataset == "CIFAR10" else 3
+
+    def ok(self) -> "TrainRun":
+        assert self.result.returncode == 0, self.result.describe()
+        return self
+
+    def epoch_lines(self) -> List[tuple]:
+        return EPOCH_LINE.findall(self.result.stdout)
+
+    def log_rows(self) -> List[dict]:
+        return [json.loads(line) for line in
+                (self.run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+
+
+class Runs:
+    """Lazily runs each training variant once; every test asking for it shares the run."""
+
+    def __init__(self, root: Path, imagefolder_root: Path, cifar_root: Path) -> None:
+        self.root, self.imagefolder_root, self.cifar_root = root, imagefolder_root, cifar_root
+        self._train: Dict[str, TrainRun] = {}
+        self._eval: Dict[tuple, ScriptResult] = {}
+
+    def train(self, variant: str) -> TrainRun:
+        if variant not in self._train:
+            plan = dict(PLAN[variant])
+            nproc = plan.pop("nproc", None)
+            dataset = plan.pop("dataset", "ImageFolder")
+            data_root = self.cifar_root if dataset == "CIFAR10" else self.imagefolder_root
+            epochs = plan.setdefault("epochs", 1)
+            args = tiny_args(self.root, data_root, dataset=dataset, lr=1e-4, **plan)
+            result = run_script(variant, *args, torchrun_nproc=nproc)
+            self._train[variant] = TrainRun(variant, result, self.root / "checkpoint" / variant,
+                                            self.root / "tensorboard", epochs, dataset, nproc)
+        return self._train[variant]
+
+    def eval(self, script: str, checkpoint: Path, *args: str,
+             nproc: Optional[int] = None) -> ScriptResult:
+        key = (script, str(checkpoint), args, nproc)
+        if key not in self._eval:
+            self._eval[key] = run_script(script, "--checkpoint", checkpoint, "--no-cuda", *args,
+                                         torchrun_nproc=nproc)
+        return self._eval[key]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, imagefolder_root, cifar_root):
+    root = tmp_path_factory.mktemp("runs")
+    yield Runs(root, imagefolder_root, cifar_root)
+    shutil.rmtree(root, ignore_errors=True)  # each run leaves ~1.4 GB of checkpoints
+
+
+def _alexnet_keys(num_classes: int) -> set:
+    from alexnet import AlexNet
+    with torch.device("meta"):
+        return set(AlexNet(num_classes=num_classes).state_dict().keys())
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+# ------------------------------------------------------------------ training scripts
+
+@pytest.mark.parametrize("variant", TRAIN_SCRIPTS)
+def test_train_script_runs_end_to_end(variant, runs):
+    run = runs.train(variant).ok()
+    out = run.result.stdout
+    assert_clean_stderr(run.result.stderr)
+
+    # Exactly one header and one summary: under torchrun only rank 0 prints.
+    headers = [m.groupdict() for m in HEADER.finditer(out)]
+    assert len(headers) == 1, out
+    h = headers[0]
+    assert h["variant"] == variant
+    assert (h["dataset"], int(h["train"]), int(h["val"]), int(h["classes"]), h["px"]) == \
+        (run.dataset, run.n_train, run.n_val, run.n_classes, "64"), out
+    assert h["device"].rstrip(",") == "cpu", "--no-cuda must run on the CPU"
+    if run.nproc:
+        assert f"x{run.nproc} processes" in h["rest"], out
+    precision = ("grad_scaler" if variant.endswith("GradScaler") else
+                 "autocast" if variant.endswith("autocast") else "fp32")
+    assert f"precision {precision}" in h["rest"], out
+    if precision != "fp32":
+        assert "(bfloat16)" in h["rest"], "CPU autocast must default to bfloat16"
+    assert len(re.findall(r"^done: ", out, re.M)) == 1, out
+
+    # One summary line per epoch, with the whole (unpadded) val set counted.
+    lines = run.epoch_lines()
+    assert [(int(e), int(n)) for e, n, *_ in lines] == \
+        [(e, run.epochs) for e in range(1, run.epochs + 1)], out
+    assert all(int(total) == run.n_val for *_, total in lines), out
+
+    # Checkpoint folder: last.pth, best.pth, log.jsonl and nothing half-written.
+    names = sorted(p.name for p in run.run_dir.iterdir())
+    assert names == ["best.pth", "last.pth", "log.jsonl"], names
+    rows = run.log_rows()
+    assert [r["epoch"] for r in rows] == list(range(1, run.epochs + 1))
+    for row, (_, _, loss, acc, correct, total) in zip(rows, lines):
+        assert row["train_loss"] == pytest.approx(float(loss), abs=1e-4)
+        assert row["val_acc"] == pytest.approx(int(correct) / int(total))
+        assert (row.get("grad_scale") is not None) == (precision == "grad_scaler"), row
+
+
+@pytest.mark.parametrize("variant", TRAIN_SCRIPTS)
+def test_checkpoint_is_prefix_free_and_complete(variant, runs):
+    run = runs.train(variant).ok()
+    keys = _alexnet_keys(run.n_classes)
+    for name in ("last.pth", "best.pth"):
+        ckpt = _load(run.run_dir / name)
+        assert set(ckpt["model"]) == keys, f"{name}: {sorted(ckpt['model'])[:3]}"
+        assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
+        assert all(v.dtype == torch.float32 for v in ckpt["model"].values())
+        assert ckpt["variant"] == variant
+        assert ckpt["args"]["dataset"] == run.dataset
+        assert (ckpt["scaler"] is not None) == variant.endswith("GradScaler")
+    last = _load(run.run_dir / "last.pth")
+    assert last["epoch"] == run.epochs
+    best_row = max(run.log_rows(), key=lambda r: r["val_acc"])
+    assert _load(run.run_dir / "best.pth")["val_acc"] == pytest.approx(best_row["val_acc"])
+
+
+def test_learning_happens(runs):
+    """3 epochs of fp32 on the colour-coded set: well above chance (1/3)."""
+    run = runs.train("train_without").ok()
+    rows = run.log_rows()
+    assert len(rows) == 3
+    assert max(r["val_acc"] for r in rows) >= 0.75, rows
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"], rows
+
+
+@pytest.mark.parametrize("variant", [v for v in TRAIN_SCRIPTS if v != TB_VARIANT])
+def test_no_tensorboard_writes_no_events(variant, runs):
+    run = runs.train(variant).ok()
+    assert event_files(run.tb_root / variant) == []
+    assert not (run.tb_root / variant).exists()
+
+
+def test_tensorboard_on_rank0_only(runs):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    run = runs.train(TB_VARIANT).ok()
+    assert run.nproc == 2
+    run_dirs = list((run.tb_root / TB_VARIANT).iterdir())
+    assert len(run_dirs) == 1, run_dirs  # one <time>/ folder, not one per rank
+    files = event_files(run.tb_root / TB_VARIANT)
+    assert len(files) == 1 and files[0].parent == run_dirs[0], files
+    tags = {v.tag for ev in EventFileLoader(str(files[0])).Load() for v in ev.summary.value}
+    assert {"train/loss", "train/lr", "val/accuracy", "time/epoch_seconds",
+            "throughput/images_per_second", "amp/grad_scale"} <= tags, tags
+    assert event_files(run.run_dir) == []
+
+
+def test_train_ddp_under_plain_python(runs, imagefolder_root, tmp_path):
+    """`python AMP/train_DDP.py`: a process group of one, no torchrun."""
+    result = run_script("train_DDP", *tiny_args(tmp_path, imagefolder_root, batch_size=48))
+    assert result.returncode == 0, result.describe()
+    assert_clean_stderr(result.stderr)
+    assert "on cpu x1 processes" in result.stdout, result.stdout
+    assert (tmp_path / "checkpoint" / "train_DDP" / "last.pth").is_file()
+    shutil.rmtree(tmp_path / "checkpoint")
+
+
+# ------------------------------------------------------------------ eval scripts
+
+def _eval_ok(result: ScriptResult, checkpoint: Path, n_val: int) -> tuple:
+    assert result.returncode == 0, result.describe()
+    assert_clean_stderr(result.stderr)
+    assert f"checkpoint: {checkpoint}" in result.stdout, result.stdout
+    correct, total = parse_accuracy(result.stdout)
+    assert total == n_val, result.stdout
+    return correct, total
+
+
+def _dp_reference(runs) -> tuple:
+    """eval_without on train_DP's last.pth (a DataParallel checkpoint)."""
+    run = runs.train("train_DP").ok()
+    ckpt = run.run_dir / "last.pth"
+    return _eval_ok(runs.eval("eval_without", ckpt), ckpt, run.n_val)
+
+
+def test_eval_without_loads_a_dp_checkpoint(runs):
+    run = runs.train("train_DP").ok()
+    correct, total = _dp_reference(runs)
+    # Same weights, fp32, same data: the count train_DP printed for its (last) epoch.
+    *_, train_correct, train_total = run.epoch_lines()[-1]
+    assert (correct, total) == (int(train_correct), int(train_total))
+
+
+def test_eval_dp_loads_a_single_device_checkpoint_cifar10(runs):
+    """eval_DP on train_GradScaler's best.pth, which was trained on the CIFAR-10 files;
+    data set, root and image size come from the checkpoint; --autocast evaluates in bf16."""
+    run = runs.train("train_GradScaler").ok()
+    ckpt = run.run_dir / "best.pth"
+    result = runs.eval("eval_DP", ckpt, "--autocast")
+    correct, total = _eval_ok(result, ckpt, CIFAR_TEST_SIZE)
+    assert "CIFAR10" in result.stdout and "autocast bfloat16" in result.stdout, result.stdout
+    # Training validated the same 11 images in one bf16 batch: the same count.
+    *_, train_correct, _ = run.epoch_lines()[-1]
+    assert correct == int(train_correct)
+
+
+def test_eval_ddp_two_ranks_matches_eval_without(runs):
+    """21 val images on 2 ranks: DistributedSampler-style padding must not be counted."""
+    run = runs.train("train_DP").ok()
+    ckpt = run.run_dir / "last.pth"
+    reference = _dp_reference(runs)
+    result = runs.eval("eval_DDP", ckpt, nproc=2)
+    assert _eval_ok(result, ckpt, IF_VAL_SIZE) == reference
+    assert "2 processes" in result.stdout, result.stdout
+
+
+def test_eval_ddp_plain_python_picks_newest_checkpoint_in_folder(runs):
+    """`python AMP/eval_DDP.py --checkpoint FOLDER`: one process; the newest .pth is used
+    (last.pth: best.pth is written before it)."""
+    run = runs.train("train_DP").ok()
+    result = runs.eval("eval_DDP", run.run_dir)
+    assert _eval_ok(result, run.run_dir / "last.pth", IF_VAL_SIZE) == _dp_reference(runs)
+
+
+def test_old_checkpoint_with_module_prefix_still_evaluates(runs, tmp_path):
+    """A file as the article saved it: torch.save(DataParallel(model).state_dict())."""
+    run = runs.train("train_DP").ok()
+    state = torch.load(run.run_dir / "last.pth", map_location="cpu", weights_only=True)["model"]
+    old = tmp_path / "article_dp.pth"
+    torch.save({f"module.{k}": v for k, v in state.items()}, old)
+    del state
+    result = run_script("eval_without", "--checkpoint", old, "--no-cuda", "--dataset",
+                        "ImageFolder", "--dataset_root", runs.imagefolder_root,
+                        "--img_size", "64")
+    assert _eval_ok(result, old, IF_VAL_SIZE) == _dp_reference(runs)
+
+
+# ------------------------------------------------------------------ errors
+
+def _single_line_error(result: ScriptResult) -> str:
+    assert result.returncode != 0, result.describe()
+    assert "Traceback" not in result.raw_stderr, result.raw_stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_flag_without_cuda_is_an_error(imagefolder_root, tmp_path):
+    args = [a for a in tiny_args(tmp_path, imagefolder_root) if a != "--no-cuda"]
+    result = run_script("train_without", *args, "--cuda")
+    line = _single_line_error(result)
+    assert "CUDA" in line and "--cuda" in line, line
+    assert not (tmp_path / "checkpoint").exists(), "must not silently train on the CPU"
+
+
+_NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+               "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+               "no_proxy": "", "NO_PROXY": ""}
+
+
+def test_cifar10_missing_without_network_is_one_line(tmp_path):
+    empty = tmp_path / "data"
+    empty.mkdir()
+    result = run_script("train_without", *tiny_args(tmp_path, empty, dataset="CIFAR10"),
+                        env=_NO_NETWORK, timeout=120)
+    line = _single_line_error(result)
+    assert "cifar-10-python.tar.gz" in line and str(empty) in line, line
+    assert not list((tmp_path / "checkpoint").rglob("*.pth"))
+
+
+def test_failed_start_keeps_the_previous_runs_log(tmp_path, imagefolder_root):
+    """A run that cannot start (here: a mistyped data root) must not wipe the log of the
+    run already in that checkpoint folder, whose last.pth/best.pth it leaves alone."""
+    run_dir = tmp_path / "checkpoint" / "train_without"
+    run_dir.mkdir(parents=True)
+    previous = '{"epoch": 1, "train_loss": 1.0, "val_acc": 0.5}\n'
+    (run_dir / "log.jsonl").write_text(previous)
+    result = run_script("train_without",
+                        *tiny_args(tmp_path, imagefolder_root / "no_such_folder"))
+    line = _single_line_error(result)
+    assert "no_such_folder" in line, line
+    assert (run_dir / "log.jsonl").read_text() == previous
