@@ -274,7 +274,7 @@ class Comparison:
             f"Command: `{command}`",
             "",
             f"- Machine: {machine}; torch {self.torch_version}, Python {platform.python_version()}",
-            f"- Data: {a.dataset} ({a.dataset_root}) at {a.img_size}px; {a.epochs} epochs, batch "
+            f"- Data: {a.dataset} ({_short(a.dataset_root)}) at {a.img_size}px; {a.epochs} epochs, batch "
             f"{a.batch_size} (per process under DDP), AdamW lr {a.lr:g}, seed {a.seed}",
             f"- Run: {time.strftime('%Y-%m-%d %H:%M')}; DDP variants: {self.nproc} processes",
         ]

@@ -210,8 +210,10 @@ def run_child(cmd: Sequence[str], log_path: Optional[Path] = None, env: Optional
     and written to ``log_path``. Ctrl-C is forwarded by the terminal to the child (same
     process group); the child is then waited for, so a training run can save first."""
     log = open(log_path, "wb") if log_path is not None else None
-    out_sinks = [s for s in ((sys.stdout.buffer if echo else None), log) if s is not None]
-    err_sinks = [s for s in ((sys.stderr.buffer if echo else None), log) if s is not None]
+    out_sinks = [s for s in ((getattr(sys.stdout, "buffer", None) if echo else None), log)
+                 if s is not None]
+    err_sinks = [s for s in ((getattr(sys.stderr, "buffer", None) if echo else None), log)
+                 if s is not None]
     out_keep: List[bytes] = []
     err_keep: List[bytes] = []
     sys.stdout.flush()
