@@ -1,0 +1,192 @@
+"""The fast input path: the whole data set as one uint8 tensor on the device.
+
+CIFAR-10 is 150 MB as uint8, so it is loaded once and kept on the training
+device (on the GPU when training on CUDA), the way KellerJordan/cifar10-airbench
+does it. Each batch is then an index into that tensor, and the work the classic
+path does per image in PIL on the host (resize to ``img_size``, ToTensor,
+Normalize, RandomHorizontalFlip) is done here on the device for the whole batch:
+
+    images_u8[indices] -> flip (train) -> resize (bilinear, antialias) -> float, normalise
+
+No DataLoader, no workers, no host-to-device copy per step and no host sync in
+``__iter__``: the epoch's permutation is built on the host once per epoch and sent
+to the device in one copy, the flips are drawn for the whole epoch from a
+``torch.Generator`` on the device seeded from (seed, epoch, rank).
+
+Sampling is the classic path's, so the two paths agree sample for sample:
+training uses ``ResumableDistributedSampler`` (``DistributedSampler`` semantics:
+a seeded permutation per ``set_epoch``, each rank its share, padded by repeating,
+``start_index`` to resume mid-epoch); evaluation uses ``ShardSampler``
+(``rank::world_size``, no padding).
+
+Only data sets that fit in memory take this path (CIFAR10, FakeData);
+ImageFolder stays on the classic DataLoader path (``fits_in_memory``).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torchvision
+
+from .data import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, STD, ResumableDistributedSampler,
+                   ShardSampler, _cifar10)
+from .distributed import DistInfo
+from .errors import UserError
+
+IN_MEMORY_DATASETS = ("CIFAR10", "FakeData")
+_NUM_CLASSES = {"CIFAR10": 10, "FakeData": 10}
+
+
+def fits_in_memory(name: str) -> bool:
+    """Whether ``name`` takes the fast path (held whole on the device)."""
+    return name in IN_MEMORY_DATASETS
+
+
+def _fake_uint8(train: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    # Through torchvision's own FakeData (the sizes and offsets of build_datasets), so
+    # both paths see the very same images: its float->uint8 conversion is kept as is.
+    size, offset = (FAKE_TRAIN_SIZE, 0) if train else (FAKE_VAL_SIZE, FAKE_TRAIN_SIZE)
+    fake = torchvision.datasets.FakeData(size, (3, 32, 32), 10, random_offset=offset)
+    pairs = [fake[i] for i in range(size)]
+    images = np.stack([np.asarray(img.convert("RGB")) for img, _ in pairs])  # N, H, W, C
+    labels = torch.tensor([label for _, label in pairs], dtype=torch.int64)
+    return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), labels
+
+
+def load_uint8(name: str, root: Path, info: DistInfo, train: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A whole split as (images uint8 [N, 3, H, W] contiguous, labels int64 [N]) on the CPU."""
+    if name == "CIFAR10":
+        root = Path(root)
+        if root.exists() and not root.is_dir():
+            raise UserError(f"--dataset_root {root} is a file, not a folder")
+        with info.local_main_first():  # one process per node downloads
+            ds = _cifar10(root, train, None, download=info.is_local_main)
+        # ds.data is an N,H,W,C view of the N,C,H,W array read from the batch files:
+        # permuting back gives a contiguous tensor without a copy.
+        images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+        return images, torch.tensor(ds.targets, dtype=torch.int64)
+    if name == "FakeData":
+        return _fake_uint8(train)
+    if name == "ImageFolder":
+        raise UserError("--dataset ImageFolder is read from disk by the classic DataLoader "
+                        "input path; it is not held in memory")
+    raise UserError(f"unknown --dataset {name!r}")
+
+
+def _flip_seed(seed: int, epoch: int, rank: int) -> int:
+    """A 63-bit seed mixing (seed, epoch, rank): distinct streams per epoch and per rank."""
+    state = np.random.SeedSequence([seed % 2**64, epoch, rank]).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+class DeviceLoader:
+    """Batches (images, targets) already on ``device``, from a uint8 tensor held there.
+
+    images: float32 [B, 3, img_size, img_size], normalised with MEAN/STD
+    (channels_last memory format if asked); targets: int64 [B].
+    """
+
+    def __init__(self, images_u8: torch.Tensor, labels: torch.Tensor, *, batch_size: int,
+                 img_size: int, device: torch.device, train: bool, info: DistInfo,
+                 seed: int = 0, channels_last: bool = False,
+                 num_classes: Optional[int] = None) -> None:
+        if images_u8.dtype != torch.uint8 or images_u8.dim() != 4 or images_u8.shape[1] != 3:
+            raise ValueError(f"images_u8 must be uint8 [N, 3, H, W], got {images_u8.dtype} "
+                             f"{tuple(images_u8.shape)}")
+        if labels.shape != (images_u8.shape[0],):
+            raise ValueError(f"labels must be [N={images_u8.shape[0]}], got {tuple(labels.shape)}")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.device = torch.device(device)
+        # One copy to the device for the whole run.
+        self.images = images_u8.to(self.device).contiguous()
+        self.labels = labels.to(self.device, torch.int64)
+        self.batch_size, self.img_size = batch_size, img_size
+        self.train, self.seed, self.rank = train, seed, info.rank
+        self.channels_last = channels_last
+        self.dataset_size = images_u8.shape[0]
+        self.num_classes = (num_classes if num_classes is not None
+                            else int(labels.max()) + 1 if len(labels) else 0)
+        if train:
+            self.sampler = ResumableDistributedSampler(
+                range(self.dataset_size), num_replicas=info.world_size, rank=info.rank,
+                shuffle=True, seed=seed)
+        else:
+            self.sampler = ShardSampler(self.dataset_size, info.rank, info.world_size)
+        # Normalize((x/255 - mean) / std) as one multiply-add on uint8 values.
+        std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1) * 255
+        mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1) * 255
+        self._scale = (1 / std).to(self.device)
+        self._bias = (-mean / std).to(self.device)
+        # The CPU has a fast uint8 antialiased bilinear kernel (channels_last) that also
+        # rounds to uint8 like PIL; CUDA resizes in float (no uint8 kernel there).
+        self.resize_uint8 = self.device.type == "cpu"
+
+    def __len__(self) -> int:
+        """Batches this rank yields in the current epoch (after ``sampler.start_index``)."""
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def _epoch_indices(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        indices = torch.tensor(list(self.sampler), dtype=torch.int64).to(self.device)
+        if not self.train:
+            return indices, None
+        # Flips for the whole epoch, then the same start_index cut as the sampler's:
+        # a resumed epoch gets exactly the flips the interrupted one would have had.
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(_flip_seed(self.seed, self.sampler.epoch, self.rank))
+        flips = torch.rand(self.sampler.num_samples, generator=gen, device=self.device) < 0.5
+        return indices, flips[self.sampler.start_index:]
+
+    def transform(self, batch_u8: torch.Tensor, flip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """uint8 [B, 3, H, W] -> normalised float32 [B, 3, img_size, img_size] on the device."""
+        if flip is not None:
+            # Flip before resizing: cheaper at the source size, and the same image, since a
+            # bilinear resize of a mirrored image is the mirrored resize.
+            batch_u8 = torch.where(flip.view(-1, 1, 1, 1), batch_u8.flip(3), batch_u8)
+        size = (self.img_size, self.img_size)
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        if tuple(batch_u8.shape[-2:]) != size and self.resize_uint8:
+            batch_u8 = F.interpolate(batch_u8.contiguous(memory_format=torch.channels_last),
+                                     size=size, mode="bilinear", antialias=True,
+                                     align_corners=False)
+        elif tuple(batch_u8.shape[-2:]) != size:
+            # Normalising first is exact (bilinear weights sum to 1) and touches ~50x fewer
+            # values than normalising the resized batch.
+            small = batch_u8.float().mul_(self._scale).add_(self._bias)
+            return F.interpolate(small, size=size, mode="bilinear", antialias=True,
+                                 align_corners=False).contiguous(memory_format=fmt)
+        # One pass converts to float in the wanted memory format (a permuting copy when the
+        # CPU kernel left channels_last), then two cheap in-place passes normalise; this beats
+        # addcmul on uint8, which takes a slow mixed-dtype path on the CPU.
+        out = torch.empty(batch_u8.shape, dtype=torch.float32, device=batch_u8.device,
+                          memory_format=fmt)
+        return out.copy_(batch_u8).mul_(self._scale).add_(self._bias)
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        indices, flips = self._epoch_indices()
+        for start in range(0, len(indices), self.batch_size):
+            idx = indices[start:start + self.batch_size]
+            batch = self.images.index_select(0, idx)
+            flip = flips[start:start + self.batch_size] if flips is not None else None
+            yield self.transform(batch, flip), self.labels.index_select(0, idx)
+
+
+def fast_loaders(name: str, root: Path, img_size: int, batch_size: int, info: DistInfo,
+                 seed: int = 0, channels_last: bool = False, train: bool = True
+                 ) -> Tuple[Optional[DeviceLoader], DeviceLoader, int]:
+    """(training loader, or None with ``train=False``; validation loader; number of classes)."""
+    num_classes = _NUM_CLASSES.get(name)
+    kw = dict(batch_size=batch_size, img_size=img_size, device=info.device, info=info,
+              seed=seed, channels_last=channels_last, num_classes=num_classes)
+    train_dl = None
+    if train:
+        images, labels = load_uint8(name, root, info, train=True)
+        train_dl = DeviceLoader(images, labels, train=True, **kw)
+    images, labels = load_uint8(name, root, info, train=False)
+    val_dl = DeviceLoader(images, labels, train=False, **kw)
+    return train_dl, val_dl, num_classes

@@ -1,0 +1,286 @@
+"""The fast input path (ampkit.fastdata) against the classic DataLoader path (ampkit.data).
+
+- Same samples: for the same indices, the same labels and, within one uint8 step of
+  interpolation rounding, the same images as torchvision's PIL transforms; the same
+  training order as the classic path's DistributedSampler.
+- DDP sharding (two ranks simulated in one process): every training sample once per
+  epoch (padded like DistributedSampler when N is odd), a new order every epoch,
+  ``start_index`` skipping exactly the first batches; validation shards cover each
+  sample once.
+- Learning: a short training on a tiny learnable CIFAR-format set reaches the same
+  accuracy through either path.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision.transforms.functional as TF
+from torch import nn
+
+from ampkit.data import (MEAN, STD, build_datasets, build_transform, eval_loader,
+                         train_loader)
+from ampkit.distributed import DistInfo
+from ampkit.errors import UserError
+from ampkit.fastdata import DeviceLoader, fast_loaders, fits_in_memory, load_uint8
+from ampkit.pipeline_bench import measure_input_pipeline, write_cifar10
+
+CPU = torch.device("cpu")
+# One uint8 step after normalisation (the largest for the smallest std): PIL rounds its
+# bilinear result to uint8, the float resize (the CUDA path) does not.
+UINT8_STEP = 1 / (255 * min(STD))
+
+
+def info(rank: int = 0, world_size: int = 1) -> DistInfo:
+    return DistInfo(device=CPU, rank=rank, world_size=world_size)
+
+
+def classic_images(dataset, indices, img_size):
+    tf = build_transform(img_size, train=False)
+    dataset.transform = tf
+    pairs = [dataset[i] for i in indices]
+    return torch.stack([x for x, _ in pairs]), torch.tensor([y for _, y in pairs])
+
+
+# --------------------------------------------------------------------------- same samples
+@pytest.mark.parametrize("name", ["CIFAR10", "FakeData"])
+@pytest.mark.parametrize("img_size,resize_uint8", [(227, True), (227, False), (64, True),
+                                                   (64, False), (32, True)])
+def test_same_images_and_labels_as_classic(name, img_size, resize_uint8, cifar_root):
+    """Validation order is rank::world_size in both paths, so batches line up index by index.
+    resize_uint8=False runs the float resize that CUDA uses, here on the CPU."""
+    classic = build_datasets(name, cifar_root, img_size, info(), train=False).val
+    _, val, num_classes = fast_loaders(name, cifar_root, img_size, 8, info(), train=False)
+    val.resize_uint8 = resize_uint8
+    images, labels = next(iter(val))
+    ref_images, ref_labels = classic_images(classic, range(8), img_size)
+
+    assert num_classes == 10 and val.dataset_size == len(classic)
+    assert images.dtype == torch.float32 and images.shape == (8, 3, img_size, img_size)
+    assert images.is_contiguous() and labels.dtype == torch.int64
+    assert torch.equal(labels, ref_labels)
+    diff = (images - ref_images).abs()
+    # Measured (torch 2.14, Pillow 11): max = one uint8 step (0.0175) on both resize paths;
+    # mean 2e-5 (uint8 resize, rounds like PIL) and 0.006 (float resize, unrounded).
+    assert diff.max() <= 1.01 * UINT8_STEP, diff.max()
+    assert diff.mean() <= (0.001 if resize_uint8 else 0.01), diff.mean()
+
+
+def test_uint8_split_matches_torchvision(cifar_root):
+    classic = build_datasets("CIFAR10", cifar_root, 32, info())
+    for split, ds in (("train", classic.train), ("val", classic.val)):
+        images, labels = load_uint8("CIFAR10", cifar_root, info(), train=split == "train")
+        assert images.dtype == torch.uint8 and images.is_contiguous()
+        assert images.shape == (len(ds), 3, 32, 32)
+        assert torch.equal(images, torch.from_numpy(ds.data).permute(0, 3, 1, 2))
+        assert labels.tolist() == ds.targets
+
+
+def test_training_order_and_flips_match_classic(cifar_root):
+    """Same permutation as the classic DistributedSampler; each image is the classic
+    image or its mirror, with both flips drawn."""
+    img_size = 64
+    classic = build_datasets("CIFAR10", cifar_root, img_size, info())
+    train, _, _ = fast_loaders("CIFAR10", cifar_root, img_size, 8, info(), seed=3)
+    classic_dl = train_loader(classic.train, 8, 0, info(), seed=3)
+    for epoch in (0, 1):
+        train.sampler.set_epoch(epoch)
+        classic_dl.sampler.set_epoch(epoch)
+        order = list(classic_dl.sampler)
+        assert list(train.sampler) == order
+        images, labels = map(torch.cat, zip(*train))
+        ref_images, ref_labels = classic_images(classic.train, order, img_size)
+        assert torch.equal(labels, ref_labels)
+        plain = (images - ref_images).abs().flatten(1).max(1).values
+        mirrored = (images - TF.hflip(ref_images)).abs().flatten(1).max(1).values
+        flipped = mirrored < plain
+        assert torch.all(torch.minimum(plain, mirrored) <= 1.01 * UINT8_STEP)
+        assert 0 < flipped.sum() < len(order)
+
+
+def test_channels_last_option(cifar_root):
+    _, val, _ = fast_loaders("CIFAR10", cifar_root, 64, 4, info(), channels_last=True)
+    _, ref, _ = fast_loaders("CIFAR10", cifar_root, 64, 4, info())
+    for resize_uint8 in (True, False):
+        val.resize_uint8 = ref.resize_uint8 = resize_uint8
+        x, x_ref = next(iter(val))[0], next(iter(ref))[0]
+        assert x.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(x, x_ref)
+
+
+def test_in_memory_datasets_only(imagefolder_root, tmp_path):
+    assert fits_in_memory("CIFAR10") and fits_in_memory("FakeData")
+    assert not fits_in_memory("ImageFolder")
+    with pytest.raises(UserError, match="classic"):
+        fast_loaders("ImageFolder", imagefolder_root, 64, 8, info())
+    with pytest.raises(UserError, match="CIFAR-10 is not in"):  # the classic path's message
+        with socket_blocked():
+            load_uint8("CIFAR10", tmp_path / "empty", info(), train=False)
+
+
+@contextlib.contextmanager
+def socket_blocked():
+    """No network in tests: a download attempt fails at once."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise OSError("network disabled in tests")
+    saved = socket.socket.connect
+    socket.socket.connect = refuse
+    try:
+        yield
+    finally:
+        socket.socket.connect = saved
+
+
+# --------------------------------------------------------------------------- DDP sharding
+def identity_loaders(n, world_size, *, batch_size=4, train=True, seed=0):
+    """One loader per simulated rank whose labels are the sample indices."""
+    images = torch.arange(n, dtype=torch.uint8).view(n, 1, 1, 1).expand(n, 3, 2, 2).contiguous()
+    labels = torch.arange(n)
+    return [DeviceLoader(images, labels, batch_size=batch_size, img_size=2, device=CPU,
+                         train=train, info=info(r, world_size), seed=seed)
+            for r in range(world_size)]
+
+
+def seen(loader):
+    return [i for _, targets in loader for i in targets.tolist()]
+
+
+@pytest.mark.parametrize("n", [30, 31])
+def test_two_ranks_see_every_sample_once_per_epoch(n):
+    ranks = identity_loaders(n, 2)
+    orders = []
+    for epoch in (0, 1, 2):
+        for r in ranks:
+            r.sampler.set_epoch(epoch)
+        shares = [seen(r) for r in ranks]
+        assert [len(s) for s in shares] == [math.ceil(n / 2)] * 2
+        assert [len(r) for r in ranks] == [math.ceil(math.ceil(n / 2) / 4)] * 2
+        union = sorted(shares[0] + shares[1])
+        if n % 2 == 0:
+            assert union == list(range(n))
+        else:  # DistributedSampler pads with the start of the permutation: one repeat
+            assert sorted(set(union)) == list(range(n)) and len(union) == n + 1
+        orders.append(shares)
+    assert orders[0] != orders[1] != orders[2]
+    # The same seed and epoch give the same order (what a resumed run relies on).
+    again = identity_loaders(n, 2)
+    for r in again:
+        r.sampler.set_epoch(1)
+    assert [seen(r) for r in again] == orders[1]
+
+
+def test_start_index_skips_exactly_the_first_batches():
+    loader = identity_loaders(50, 2, batch_size=4)[1]
+    loader.sampler.set_epoch(5)
+    full = list(loader)
+    assert len(loader) == len(full) == 7
+    loader.sampler.start_index = 3 * 4
+    resumed = list(loader)
+    assert len(loader) == len(resumed) == 4
+    for (x, y), (x_ref, y_ref) in zip(resumed, full[3:]):
+        assert torch.equal(y, y_ref) and torch.equal(x, x_ref)  # same samples, same flips
+
+
+def test_flips_reproducible_per_seed_epoch_rank(cifar_root):
+    images, labels = load_uint8("CIFAR10", cifar_root, info(), train=True)
+
+    def flips(seed, epoch, rank):
+        loader = DeviceLoader(images, labels, batch_size=32, img_size=32, device=CPU,
+                              train=True, info=info(rank, 2), seed=seed)
+        loader.sampler.set_epoch(epoch)
+        return loader._epoch_indices()[1]
+
+    assert torch.equal(flips(0, 0, 0), flips(0, 0, 0))
+    assert not torch.equal(flips(0, 0, 0), flips(0, 1, 0))
+    assert not torch.equal(flips(0, 0, 0), flips(1, 0, 0))
+    assert not torch.equal(flips(0, 0, 0), flips(0, 0, 1))
+
+
+@pytest.mark.parametrize("n", [11, 12])
+def test_validation_shards_cover_each_sample_once(n):
+    ranks = identity_loaders(n, 2, train=False)
+    shares = [seen(r) for r in ranks]
+    assert sorted(shares[0] + shares[1]) == list(range(n))
+    assert shares[0] == list(range(0, n, 2)) and shares[1] == list(range(1, n, 2))
+    assert [len(r) for r in ranks] == [math.ceil(len(s) / 4) for s in shares]
+    assert all(r.dataset_size == n for r in ranks)
+
+
+# --------------------------------------------------------------------------- learning
+@contextlib.contextmanager
+def torch_threads(n):
+    # One thread: on a shared 2-core machine a second OpenMP thread mostly waits.
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
+    from alexnet import alexnet
+    from ampkit.engine import evaluate, train_one_epoch
+
+    torch.manual_seed(0)  # same initial weights, dropout and (classic) flip streams
+    model = alexnet(num_classes=num_classes)
+    # The two 4096-wide linear layers stay at their random initialisation: their weights
+    # are 95% of AlexNet's and would make each step ~5x slower on the CPU. What is
+    # compared here is the input path, not the model.
+    for i in (1, 4):
+        model.classifier[i].requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    losses = []
+    for epoch in range(epochs):
+        train_dl.sampler.set_epoch(epoch)
+        stats = train_one_epoch(model, train_dl, nn.CrossEntropyLoss(), optimizer, scaler,
+                                contextlib.nullcontext, info())
+        losses.append(stats.loss)
+    correct, total = evaluate(model, val_dl, contextlib.nullcontext, info())
+    return correct / total, losses
+
+
+def test_fast_path_learns_as_well_as_classic(tmp_path):
+    root = write_cifar10(tmp_path, 128, 48, learnable=True, num_classes=4)
+    img_size, batch = 64, 16
+    with torch_threads(1):
+        train_dl, val_dl, num_classes = fast_loaders("CIFAR10", root, img_size, batch, info())
+        fast_acc, fast_losses = train_and_evaluate(train_dl, val_dl, num_classes)
+        data = build_datasets("CIFAR10", root, img_size, info())
+        classic_acc, classic_losses = train_and_evaluate(
+            train_loader(data.train, batch, 0, info(), seed=0),
+            eval_loader(data.val, batch, 0, info()), data.num_classes)
+    # 4 classes (chance 0.25). Measured: 1.0 on both paths, losses 1.94 -> 0.7.
+    assert fast_acc >= 0.7 and classic_acc >= 0.7, (fast_acc, classic_acc)
+    assert fast_acc >= classic_acc - 0.25, (fast_acc, classic_acc)
+    assert fast_losses[-1] < 0.8 * fast_losses[0], fast_losses
+
+
+# --------------------------------------------------------------------------- benchmark
+def test_measure_input_pipeline_runs(tmp_path):
+    root = write_cifar10(tmp_path, 96, 16)
+    for kind in ("article", "classic", "fast"):
+        rate = measure_input_pipeline(kind, root=root, img_size=64, batch_size=16,
+                                      warmup=1, max_batches=2, device=CPU)
+        assert rate > 0
+    with pytest.raises(ValueError):
+        measure_input_pipeline("nope")
+
+
+def test_bench_cli(capsys):
+    path = Path(__file__).resolve().parents[1] / "bench" / "input_pipeline.py"
+    spec = importlib.util.spec_from_file_location("bench_input_pipeline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--n", "64", "--img_size", "64", "--batch_size", "16", "--max_batches", "1",
+                 "--device", "cpu"])
+    out = capsys.readouterr().out
+    for word in ("article", "classic", "fast", "images/s", "fast / article"):
+        assert word in out, out
