@@ -95,6 +95,7 @@ def comparison(tmp_path_factory, imagefolder_root):
     return res, runs[0], rows, tmp
 
 
+@pytest.mark.slow
 def test_compare_writes_the_three_files_and_prints_the_table(comparison):
     res, out, rows, tmp = comparison
     for name in ("results.csv", "results.md", "results.png"):
@@ -112,6 +113,7 @@ def test_compare_writes_the_three_files_and_prints_the_table(comparison):
         assert event_files(next(tb.glob(f"compare-*/{v}"))), f"no TensorBoard events for {v}"
 
 
+@pytest.mark.slow
 def test_compare_csv_has_one_row_per_variant_with_sane_numbers(comparison):
     res, out, rows, _ = comparison
     assert [r["variant"] for r in rows] == [OK_VARIANTS[0], FAILING, OK_VARIANTS[1]]
@@ -131,6 +133,7 @@ def test_compare_csv_has_one_row_per_variant_with_sane_numbers(comparison):
     assert rows[0]["amp_dtype"] == "" and rows[1]["amp_dtype"] == "bfloat16"
 
 
+@pytest.mark.slow
 def test_a_failing_variant_is_reported_and_the_others_still_run(comparison):
     res, out, rows, _ = comparison
     assert res.returncode == 1, res.describe()  # non-zero: a variant failed
@@ -143,6 +146,7 @@ def test_a_failing_variant_is_reported_and_the_others_still_run(comparison):
     assert rows[2]["status"] == "ok"  # the variant after the failure still ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", OK_VARIANTS)
 def test_compare_test_accuracy_is_what_the_eval_script_prints(comparison, variant):
     res, out, rows, _ = comparison
@@ -158,6 +162,7 @@ def test_compare_test_accuracy_is_what_the_eval_script_prints(comparison, varian
 
 
 # ------------------------------------------------------------------ benchmark.py
+@pytest.mark.slow
 def test_benchmark_prints_positive_throughput_for_model_and_input_pipeline(tmp_path):
     out = tmp_path / "bench.json"
     res = run_script("benchmark", "--no-cuda", "--variants", "train_without,train_DDP_autocast",
