@@ -33,8 +33,9 @@ def build_parser() -> Parser:
     p = Parser(prog="benchmark.py", description=__doc__.split("\n\n")[0],
                formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(
                    prog, max_help_position=32))
-    p.add_argument("--variants", default=",".join(TRAIN_VARIANTS),
-                   help="comma-separated variants to measure, or 'none' (pipeline only)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated variants to measure, or 'none' (input pipeline only). "
+                        "Default: all nine")
     p.add_argument("--batch_size", type=int, default=64, help="images per step (per process)")
     p.add_argument("--img_size", type=int, default=227)
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
@@ -64,6 +65,8 @@ def build_parser() -> Parser:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.variants is None:
+        args.variants = ",".join(TRAIN_VARIANTS)
     if args.variants.strip().lower() == "none":
         names = []
     else:

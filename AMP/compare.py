@@ -47,9 +47,9 @@ def build_parser() -> Parser:
     p = Parser(prog="compare.py", description=__doc__.split("\n\n")[0],
                formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(
                    prog, max_help_position=32))
-    p.add_argument("--variants", default=",".join(TRAIN_VARIANTS),
+    p.add_argument("--variants", default=None,
                    help="comma-separated training variants to run, in this order "
-                        f"(any of: {', '.join(TRAIN_VARIANTS)})")
+                        f"(any of: {', '.join(TRAIN_VARIANTS)}). Default: all nine")
     g = p.add_argument_group("passed to every variant")
     g.add_argument("--dataset", choices=DATASETS, default=d.get_default("dataset"))
     g.add_argument("--dataset_root", type=Path, default=d.get_default("dataset_root"))
@@ -84,7 +84,8 @@ def build_parser() -> Parser:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    names = [v.strip() for v in (args.variants or ",".join(TRAIN_VARIANTS)).split(",")
+             if v.strip()]
     unknown = [v for v in names if v not in TRAIN_VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(TRAIN_VARIANTS)}")
