@@ -82,7 +82,10 @@ def load(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
+        # "Unsupported global": the file names a Python callable/class, refused unrun.
+        # Anything else (bad opcode, garbage bytes) means the file is not a checkpoint.
+        detail = str(e).split("WeightsUnpickler error:", 1)[-1].lower()
+        if "global" in detail:
             raise UserError(f"{path}: refused: it holds pickled Python objects, which "
                             "weights_only loading does not run (not a plain checkpoint)") from None
         raise UserError(f"{path}: not a PyTorch checkpoint ({_first_line(e)})") from None
@@ -133,6 +136,13 @@ def resolve(path: Path) -> Path:
     """``--checkpoint`` of an eval script: a file, or a folder whose newest .pth is used."""
     path = Path(path)
     return path if path.is_file() else newest(path)
+
+
+def remove_stale_temps(folder: Path) -> None:
+    """Delete temporary files left by a save that was killed (they never replaced a checkpoint)."""
+    for tmp in Path(folder).glob(".*.pth.*.tmp"):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def prepare_run_dir(path: Path) -> Path:

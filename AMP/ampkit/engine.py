@@ -75,54 +75,56 @@ def train_one_epoch(model: nn.Module, loader: Iterable, criterion: nn.Module,
     total = start_step + len(loader) if hasattr(loader, "__len__") else None
     bar = tqdm(total=total, initial=start_step, desc=desc, disable=not info.is_main,
                leave=False, dynamic_ncols=True)
-    for images, targets in loader:
-        images = images.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        with autocast():
-            outputs = model(images)
-            loss = criterion(outputs, targets)
-        optimizer.zero_grad(set_to_none=True)
-        if use_scaler:
-            scaler.scale(loss).backward()
-            scale_before = scaler._scale.clone()
-            scaler.step(optimizer)  # skipped internally when the gradients hold inf/NaN
-            scaler.update()
-            # update() lowers the scale exactly when it found inf/NaN, i.e. skipped the step.
-            counts[2] += (scaler._scale < scale_before).long().squeeze()
-        else:
-            loss.backward()
-            optimizer.step()
+    try:
+        for images, targets in loader:
+            images = images.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            with autocast():
+                outputs = model(images)
+                loss = criterion(outputs, targets)
+            optimizer.zero_grad(set_to_none=True)
+            if use_scaler:
+                scaler.scale(loss).backward()
+                scale_before = scaler._scale.clone()
+                scaler.step(optimizer)  # skipped internally when the gradients hold inf/NaN
+                scaler.update()
+                # update() lowers the scale exactly when it found inf/NaN, i.e. skipped the step.
+                counts[2] += (scaler._scale < scale_before).long().squeeze()
+            else:
+                loss.backward()
+                optimizer.step()
 
-        loss = loss.detach().float()
-        finite = torch.isfinite(loss)
-        n = targets.shape[0]
-        loss_sum += torch.where(finite, loss, torch.zeros_like(loss)) * n
-        counts[0] += n
-        counts[1] += finite.long() * n
-        counts[3] += (~finite).long()
-        run_bad = torch.where(finite, torch.zeros_like(run_bad), run_bad + 1)
-        worst_bad = torch.maximum(worst_bad, run_bad)
-        step += 1
-        steps_done += 1
-        bar.update(1)
+            loss = loss.detach().float()
+            finite = torch.isfinite(loss)
+            n = targets.shape[0]
+            loss_sum += torch.where(finite, loss, torch.zeros_like(loss)) * n
+            counts[0] += n
+            counts[1] += finite.long() * n
+            counts[3] += (~finite).long()
+            run_bad = torch.where(finite, torch.zeros_like(run_bad), run_bad + 1)
+            worst_bad = torch.maximum(worst_bad, run_bad)
+            step += 1
+            steps_done += 1
+            bar.update(1)
 
-        local_stop = stop is not None and stop.requested
-        if step % log_every == 0 or (local_stop and not info.distributed):
-            # A host sync point: every log_every steps, never every step. Under DDP all
-            # ranks reach it at the same step, so they agree on stopping together.
-            flags = torch.stack([worst_bad, torch.tensor(int(local_stop), device=device)])
-            worst, stop_all = info.all_reduce_max(flags).tolist()
-            if info.is_main:
-                c = counts.tolist()
-                bar.set_postfix(loss=f"{(loss_sum / max(c[1], 1)).item():.4f}")
-            if worst >= max_nonfinite and not use_scaler:
-                raise TrainingDiverged(
-                    f"the training loss was inf/NaN for {worst} consecutive steps (at step "
-                    f"{step}); stopping. Lower --lr or use a GradScaler variant")
-            if stop_all:
-                stopped_at = step
-                break
-    bar.close()
+            local_stop = stop is not None and stop.requested
+            if step % log_every == 0 or (local_stop and not info.distributed):
+                # A host sync point: every log_every steps, never every step. Under DDP all
+                # ranks reach it at the same step, so they agree on stopping together.
+                flags = torch.stack([worst_bad, torch.tensor(int(local_stop), device=device)])
+                worst, stop_all = info.all_reduce_max(flags).tolist()
+                if info.is_main:
+                    c = counts.tolist()
+                    bar.set_postfix(loss=f"{(loss_sum / max(c[1], 1)).item():.4f}")
+                if worst >= max_nonfinite and not use_scaler:
+                    raise TrainingDiverged(
+                        f"the training loss was inf/NaN for {worst} consecutive steps (at step "
+                        f"{step}); stopping. Lower --lr or use a GradScaler variant")
+                if stop_all:
+                    stopped_at = step
+                    break
+    finally:
+        bar.close()  # before any error message, so it is not drawn over
 
     totals = info.all_reduce_sum(torch.cat([counts.double(), loss_sum.double().view(1)]))
     worst = int(info.all_reduce_max(worst_bad.clone()).item())

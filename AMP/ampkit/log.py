@@ -19,16 +19,13 @@ class RunLogger:
     def __init__(self, is_main: bool, tensorboard_dir: Optional[Path] = None,
                  jsonl_path: Optional[Path] = None, append: bool = False) -> None:
         self.is_main = is_main
+        # Files are opened on first use, so a run that fails before its first epoch
+        # neither truncates the previous run's log nor leaves an empty TensorBoard run.
+        self.tensorboard_dir = tensorboard_dir if is_main else None
+        self.jsonl_path = jsonl_path if is_main else None
+        self.append = append
         self.writer = None
         self.jsonl = None
-        if not is_main:
-            return
-        if tensorboard_dir is not None:
-            # Imported here: TensorBoard is only needed when it is used.
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(tensorboard_dir))
-        if jsonl_path is not None:
-            self.jsonl = open(jsonl_path, "a" if append else "w", encoding="utf-8")
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.is_main:
@@ -39,11 +36,17 @@ class RunLogger:
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def scalars(self, values: Dict[str, float], step: int) -> None:
+        if self.writer is None and self.tensorboard_dir is not None:
+            # Imported here: TensorBoard is only needed when it is used.
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(self.tensorboard_dir))
         if self.writer is not None:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
 
     def record(self, row: Dict[str, Any]) -> None:
+        if self.jsonl is None and self.jsonl_path is not None:
+            self.jsonl = open(self.jsonl_path, "a" if self.append else "w", encoding="utf-8")
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()

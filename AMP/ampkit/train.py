@@ -82,9 +82,10 @@ def run(args, parallel: str, precision: str, info: DistInfo) -> int:
     tb_dir = None
     if info.is_main:
         ckpt_io.prepare_run_dir(run_dir)
-        if args.tensorboard:
-            tb_dir = ckpt_io.prepare_run_dir(
-                args.tensorboard_log / variant / time.strftime("%Y%m%d-%H%M%S"))
+        ckpt_io.remove_stale_temps(run_dir)
+        if args.tensorboard:  # checked now, created by the first write
+            tb_dir = (ckpt_io.prepare_run_dir(args.tensorboard_log / variant)
+                      / time.strftime("%Y%m%d-%H%M%S"))
     resume_path = _resume_path(args, run_dir)
     logger = RunLogger(info.is_main, tb_dir, run_dir / "log.jsonl", append=resume_path is not None)
     try:
@@ -157,8 +158,9 @@ def _train(args, parallel, precision, info, variant, amp_dtype, run_dir, tb_dir,
                  "epoch": epoch, "step": step, "best_acc": best_acc, "best_epoch": best_epoch,
                  "val_acc": val_acc, "num_classes": data.num_classes, "variant": variant,
                  "args": args_to_plain(args), "rng": rng, "torch_version": str(torch.__version__)}
-        if is_best:  # written before last.pth, so last.pth stays the newest file of the run
-            ckpt_io.atomic_save(state, run_dir / ckpt_io.BEST)
+        if is_best:  # weights and metadata only; written first, so last.pth is the newest file
+            best = {k: v for k, v in state.items() if k not in ("optimizer", "scheduler", "scaler", "rng")}
+            ckpt_io.atomic_save(best, run_dir / ckpt_io.BEST)
         ckpt_io.atomic_save(state, run_dir / ckpt_io.LAST)
 
     t_start = time.perf_counter()

@@ -1,0 +1,55 @@
+"""Run a training variant with an injected fault, for the resilience tests.
+
+    python tests/helpers/faulty_train.py PARALLEL PRECISION [train flags...]
+
+Environment:
+  FAULT_EXIT_AT_STEP=N   this process dies (os._exit(1), no cleanup) at optimizer step N ...
+  FAULT_RANK=R           ... only on global rank R (default 0) ...
+  FAULT_MARKER=PATH      ... and only once: the marker file records that it happened.
+  FAULT_KILL_IN_SAVE=N   SIGKILL this process half-way through writing its N-th checkpoint file.
+"""
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "AMP"))
+
+import torch  # noqa: E402
+
+from ampkit.train import main  # noqa: E402
+
+exit_at = int(os.environ.get("FAULT_EXIT_AT_STEP", "0"))
+kill_in_save = int(os.environ.get("FAULT_KILL_IN_SAVE", "0"))
+marker = Path(os.environ.get("FAULT_MARKER", "/nonexistent/marker"))
+steps = saves = 0
+
+if exit_at and int(os.environ.get("RANK", "0")) == int(os.environ.get("FAULT_RANK", "0")):
+    original_step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        global steps
+        steps += 1
+        if steps == exit_at and not marker.exists():
+            marker.touch()
+            os._exit(1)
+        return original_step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = step
+
+if kill_in_save:
+    original_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        global saves
+        saves += 1
+        if saves == kill_in_save:
+            f.write(b"PK\x03\x04 half a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_save(obj, f, *args, **kwargs)
+
+    torch.save = save  # looked up by ampkit.checkpoint.atomic_save at call time
+
+if __name__ == "__main__":
+    main(parallel=sys.argv[1], precision=sys.argv[2], argv=sys.argv[3:])

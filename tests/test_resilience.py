@@ -1,0 +1,378 @@
+"""Issue 5: resume, atomic and safe checkpoints, signals, elastic restarts, multi-node, clear errors."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT as REPO, clean_output, run_script
+
+HELPER = REPO / "tests" / "helpers" / "faulty_train.py"
+
+
+def _tiny(root: Path, ckpt: Path, *extra: str) -> list[str]:
+    return ["--dataset", "ImageFolder", "--dataset_root", str(root), "--img_size", "64",
+            "--batch_size", "8", "--checkpoint", str(ckpt), "--no-tensorboard", "--lr", "1e-3",
+            *extra]
+
+
+def _epochs_logged(run_dir: Path) -> list[int]:
+    return [json.loads(line)["epoch"] for line in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def _wait_for(pred, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"process ended early ({proc.returncode}): {err[-2000:]}")
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting")
+
+
+def _run_faulty(*args: str, env: dict) -> tuple[int, str, str]:
+    """Run tests/helpers/faulty_train.py (a train variant with an injected fault)."""
+    res = subprocess.run([sys.executable, str(HELPER), *args], cwd=REPO, capture_output=True,
+                         text=True, env=dict(os.environ, **env), timeout=300)
+    return res.returncode, clean_output(res.stdout), clean_output(res.stderr)
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# --- SIGKILL and resume -------------------------------------------------------------------
+
+def test_sigkill_mid_epoch_then_resume_completes(imagefolder_root, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_dir = ckpt / "train_without"
+    cmd = [sys.executable, str(REPO / "AMP" / "train_without.py"),
+           *_tiny(imagefolder_root, ckpt, "--epochs", "3", "--batch_size", "4")]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Kill once epoch 1's checkpoint is on disk, i.e. somewhere inside epoch 2.
+    _wait_for(lambda: (run_dir / "last.pth").exists(), 120, proc)
+    time.sleep(1.0)
+    proc.kill()
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    done = _load(run_dir / "last.pth")["epoch"]
+    assert 1 <= done < 3
+
+    rc, out, err = run_script("train_without", *_tiny(imagefolder_root, ckpt, "--epochs", "3",
+                                                         "--batch_size", "4", "--resume"))
+    assert rc == 0, err
+    assert f"resumed from {run_dir / 'last.pth'}: epoch {done + 1}" in out
+    final = _load(run_dir / "last.pth")
+    assert final["epoch"] == 3 and final["step"] == 0
+    # Every epoch logged once: at most the epoch in progress was lost, nothing was repeated.
+    assert _epochs_logged(run_dir) == [1, 2, 3]
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(imagefolder_root, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_dir = ckpt / "train_GradScaler"
+    # Saves: epoch 1 -> best (1), last (2); epoch 2 -> best? (3), last. Kill in the 3rd write.
+    env = {"FAULT_KILL_IN_SAVE": "3"}
+    rc, out, err = _run_faulty("single", "grad_scaler",
+                               *_tiny(imagefolder_root, ckpt, "--epochs", "2"), env=env)
+    assert rc == -signal.SIGKILL
+    assert list(run_dir.glob(".*.tmp")), "the killed save should have left its temp file"
+    before = _load(run_dir / "last.pth")       # the previous checkpoint is intact
+    assert before["epoch"] == 1
+    _load(run_dir / "best.pth")
+
+    rc, out, err = run_script("train_GradScaler", *_tiny(imagefolder_root, ckpt, "--epochs", "2",
+                                                            "--resume"))
+    assert rc == 0, err
+    after = _load(run_dir / "last.pth")
+    assert after["epoch"] == 2
+    assert after["scaler"] is not None and after["scaler"]["scale"] > 0
+    assert not list(run_dir.glob(".*.tmp")), "stale temp files are cleaned up"
+
+
+def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_dir = ckpt / "train_GradScaler"
+    assert run_script("train_GradScaler", *_tiny(imagefolder_root, ckpt, "--epochs", "1"))[0] == 0
+    state = _load(run_dir / "last.pth")
+    # Tamper with the saved states so carrying them over is observable.
+    state["optimizer"]["param_groups"][0]["lr"] = 3e-4
+    state["scheduler"]["num_bad_epochs"] = 2
+    state["scaler"]["scale"] = 1024.0
+    torch.save(state, run_dir / "last.pth")
+    rc, out, err = run_script("train_GradScaler", *_tiny(imagefolder_root, ckpt, "--epochs", "2",
+                                                            "--resume"))
+    assert rc == 0, err
+    assert "lr 3.00e-04" in out
+    assert "scale 1024" in out or "scale 2048" in out
+    assert _load(run_dir / "last.pth")["epoch"] == 2
+    assert _epochs_logged(run_dir) == [1, 2]
+
+
+# --- signals --------------------------------------------------------------------------------
+
+def test_sigterm_ddp_two_processes_saves_and_resumes(imagefolder_root, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_dir = ckpt / "train_DDP"
+    flags = _tiny(imagefolder_root, ckpt, "--epochs", "2", "--batch_size", "2", "--log_every", "1")
+    cmd = _torchrun("--nproc_per_node=2", f"--master_port={_free_port()}",
+                    str(REPO / "AMP" / "train_DDP.py"), *flags)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    _wait_for(lambda: (run_dir / "log.jsonl").exists(), 120, proc)  # training has started
+    time.sleep(3.0)  # well inside epoch 1 (12 steps of ~0.5 s)
+    os.killpg(proc.pid, signal.SIGTERM)  # as a batch scheduler does: every process of the job
+    out, err = proc.communicate(timeout=120)
+    assert "SIGTERM received" in out
+    assert "stopped by SIGTERM at epoch 1, step" in out
+    assert "Traceback" not in out
+    state = _load(run_dir / "last.pth")
+    assert state["epoch"] == 0 and state["step"] > 0
+
+    rc, out, err = run_script("train_DDP", *flags, "--resume", torchrun_nproc=2)
+    assert rc == 0, err
+    assert f"resumed from {run_dir / 'last.pth'}: epoch 1, step {state['step']}" in out
+    assert _load(run_dir / "last.pth")["epoch"] == 2
+
+
+# --- elastic and multi-node -------------------------------------------------------------------
+
+def test_torchrun_max_restarts_resumes_and_finishes(imagefolder_root, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_dir = ckpt / "train_DDP_GradScaler"
+    marker = tmp_path / "crashed"
+    env = dict(os.environ, FAULT_EXIT_AT_STEP="5", FAULT_RANK="1", FAULT_MARKER=str(marker))
+    # 48 images / (2 ranks x 8) = 3 steps per epoch: step 5 is inside epoch 2.
+    cmd = _torchrun("--nproc_per_node=2", "--max-restarts=1", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{_free_port()}", str(HELPER), "ddp", "grad_scaler",
+                    *_tiny(imagefolder_root, ckpt, "--epochs", "3"))
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert marker.exists(), "the fault was not injected"
+    assert f"resumed from {run_dir / 'last.pth'}: epoch 2" in res.stdout
+    assert _load(run_dir / "last.pth")["epoch"] == 3
+    assert _epochs_logged(run_dir)[-1] == 3
+
+
+def test_two_nodes_on_localhost_train_to_the_end(imagefolder_root, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    tb = tmp_path / "tb"
+    port = _free_port()
+    flags = _tiny(imagefolder_root, ckpt, "--epochs", "1")
+    flags[flags.index("--no-tensorboard")] = "--tensorboard"
+    flags += ["--tensorboard_log", str(tb)]
+    node = _torchrun("--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes",
+                     str(REPO / "AMP" / "train_DDP.py"), *flags)
+    procs = [subprocess.Popen(node, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    printed = "".join(out for out, _ in outs)
+    assert printed.count("epoch 1/1  train_loss") == 1, "only global rank 0 prints"
+    assert "x2 processes" in printed
+    assert sorted(p.name for p in (ckpt / "train_DDP").iterdir()) == ["best.pth", "last.pth",
+                                                                      "log.jsonl"]
+    assert len(list((tb / "train_DDP").iterdir())) == 1, "one TensorBoard run, from rank 0"
+
+
+# --- safe loading -----------------------------------------------------------------------------
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickled_payload_is_refused_and_never_runs(tmp_path, imagefolder_root):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pth"
+    torch.save({"model": {"w": torch.zeros(1)}, "extra": _Payload(marker)}, evil)
+    runs = {"eval_without": ["--checkpoint", str(evil), "--dataset", "ImageFolder",
+                             "--dataset_root", str(imagefolder_root)],
+            "train_without": _tiny(imagefolder_root, tmp_path / "c", "--resume", str(evil))}
+    for script, args in runs.items():
+        rc, out, err = run_script(script, *args)
+        assert rc == 2
+        assert "Traceback" not in err
+        assert f"{evil}: refused" in err
+        assert not marker.exists()
+
+
+@pytest.fixture(scope="module")
+def trained_ckpt(imagefolder_root, tmp_path_factory) -> Path:
+    ckpt = tmp_path_factory.mktemp("trained")
+    rc, out, err = run_script("train_without", *_tiny(imagefolder_root, ckpt, "--epochs", "1"))
+    assert rc == 0, err
+    return ckpt / "train_without" / "last.pth"
+
+
+def _corrupt_files(trained: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
+    data = trained.read_bytes()
+    truncated = tmp / "truncated.pth"
+    truncated.write_bytes(data[: len(data) // 2])
+    garbage = tmp / "garbage.pth"
+    garbage.write_bytes(os.urandom(4096))
+    notckpt = tmp / "list.pth"
+    torch.save([1, 2, 3], notckpt)
+    return {"truncated": (truncated, "truncated or corrupt"),
+            "garbage": (garbage, "not a PyTorch checkpoint|truncated or corrupt"),
+            "not a checkpoint": (notckpt, "not a checkpoint")}
+
+
+def test_corrupt_or_foreign_checkpoints_get_one_line_errors(trained_ckpt, tmp_path,
+                                                            imagefolder_root, cifar_root):
+    import re
+    for name, (path, expected) in _corrupt_files(trained_ckpt, tmp_path).items():
+        rc, out, err = run_script("eval_without", "--checkpoint", str(path), "--dataset",
+                                  "ImageFolder", "--dataset_root", str(imagefolder_root))
+        assert rc == 2, name
+        assert "Traceback" not in err, name
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and str(path) in lines[0] and re.search(expected, lines[0]), lines
+    # A 3-class checkpoint on the 10-class CIFAR-10 test split.
+    rc, out, err = run_script("eval_without", "--checkpoint", str(trained_ckpt), "--dataset",
+                              "CIFAR10", "--dataset_root", str(cifar_root))
+    assert rc == 2 and "Traceback" not in err
+    assert "checkpoint is for 3 classes, but the data set has 10" in err
+
+
+def test_eval_with_folder_without_checkpoint(tmp_path):
+    rc, out, err = run_script("eval_DDP", "--checkpoint", str(tmp_path))
+    assert rc == 2 and "Traceback" not in err
+    assert "no .pth checkpoint" in err
+
+
+# --- non-finite loss ------------------------------------------------------------------------
+
+def _nan_model_run(precision: str):
+    from alexnet import alexnet
+    from ampkit.distributed import DistInfo
+    from ampkit.engine import TrainingDiverged, train_one_epoch
+    from ampkit.precision import autocast_factory, make_scaler
+
+    info = DistInfo(device=torch.device("cpu"))
+    model = alexnet(num_classes=3, amp_dtype=None if precision == "fp32" else torch.bfloat16)
+    with torch.no_grad():
+        model.classifier[-1].bias.fill_(float("nan"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    batches = [(torch.randn(2, 3, 64, 64), torch.randint(0, 3, (2,))) for _ in range(8)]
+    scaler = make_scaler(info.device, enabled=precision == "grad_scaler")
+    autocast = autocast_factory(info.device, None if precision == "fp32" else torch.bfloat16)
+    return train_one_epoch, TrainingDiverged, (model, batches, torch.nn.CrossEntropyLoss(), opt,
+                                               scaler, autocast, info)
+
+
+def test_nonfinite_loss_without_scaler_stops_with_clear_error():
+    train_one_epoch, TrainingDiverged, args = _nan_model_run("fp32")
+    with pytest.raises(TrainingDiverged, match="inf/NaN for 5 consecutive steps"):
+        train_one_epoch(*args, log_every=5, max_nonfinite=5)
+
+
+def test_nonfinite_with_scaler_counts_skipped_steps():
+    train_one_epoch, _, args = _nan_model_run("grad_scaler")
+    stats = train_one_epoch(*args, log_every=4)
+    assert stats.steps == 8 and stats.skipped == 8 and stats.nonfinite == 8
+
+
+def test_diverged_run_exits_without_overwriting_best(imagefolder_root, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_dir = ckpt / "train_without"
+    assert run_script("train_without", *_tiny(imagefolder_root, ckpt, "--epochs", "1"))[0] == 0
+    best = (run_dir / "best.pth").read_bytes()
+    # An absurd learning rate makes the fp32 loss overflow within a few steps.
+    rc, out, err = run_script("train_without", *_tiny(imagefolder_root, ckpt, "--epochs", "2",
+                                                         "--lr", "1e30", "--log_every", "1"))
+    assert rc == 2 and "Traceback" not in err
+    assert "inf/NaN" in err
+    assert (run_dir / "best.pth").read_bytes() == best
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+BAD_INPUTS = {
+    "missing data root": (["--dataset_root", "{tmp}/missing"], "does not exist"),
+    "empty data root": (["--dataset_root", "{tmp}/empty"], "is empty"),
+    "ImageFolder without train/val": (["--dataset_root", "{tmp}/notrain"], "expects"),
+    "batch_size 0": (["--batch_size", "0"], "--batch_size must be a positive integer"),
+    "batch_size negative": (["--batch_size", "-4"], "--batch_size must be a positive integer"),
+    "epochs 0": (["--epochs", "0"], "--epochs must be a positive integer"),
+    "epochs negative": (["--epochs", "-1"], "--epochs must be a positive integer"),
+    "lr negative": (["--lr", "-0.1"], "--lr must be"),
+    "lr nan": (["--lr", "nan"], "--lr must be"),
+    "img_size too small": (["--img_size", "32"], "at least 63"),
+    "unknown dataset": (["--dataset", "MNIST"], "invalid choice"),
+    "cuda without CUDA": (["--cuda"], "CUDA is not available"),
+    "checkpoint is a file": (["--checkpoint", "{tmp}/afile"], "is a file, but a folder is expected"),
+    "unwritable checkpoint": (["--checkpoint", "/proc/ampkit-test"], "cannot write"),
+    "unwritable tensorboard": (["--tensorboard", "--tensorboard_log", "/proc/ampkit-test"],
+                               "cannot write"),
+    "resume with nothing to resume": (["--resume"], "no checkpoint to resume"),
+}
+
+
+def _bad_input_args(name: str, imagefolder_root: Path, tmp_path: Path) -> list[str]:
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    (tmp_path / "notrain" / "x").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "afile").write_text("not a folder")
+    args = [a.format(tmp=tmp_path) for a in BAD_INPUTS[name][0]]
+    return _tiny(imagefolder_root, tmp_path / "ckpt", "--epochs", "1") + args
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_one_line_error(name, imagefolder_root, tmp_path, capsys):
+    """In-process (fast): main() exits 2 with exactly one line on stderr, writes nothing."""
+    if name == "cuda without CUDA" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from ampkit.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main("single", "autocast", _bad_input_args(name, imagefolder_root, tmp_path))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and BAD_INPUTS[name][1] in lines[0], lines
+    assert not list((tmp_path / "ckpt").rglob("*.pth"))
+
+
+@pytest.mark.parametrize("name", ["unknown dataset", "ImageFolder without train/val"])
+def test_bad_input_as_a_user_sees_it(name, imagefolder_root, tmp_path):
+    """The same through a real process: exit 2, one line, no traceback."""
+    rc, out, err = run_script("train_autocast", *_bad_input_args(name, imagefolder_root, tmp_path))
+    assert rc == 2
+    assert "Traceback" not in err
+    assert err.count("\n") == 0 and BAD_INPUTS[name][1] in err, err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_on_gpu_without_bf16_is_an_error(imagefolder_root, tmp_path):
+    if torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU supports bfloat16")
+    rc, out, err = run_script("train_autocast", *_tiny(imagefolder_root, tmp_path, "--epochs", "1",
+                                                          "--amp_dtype", "bfloat16"))
+    assert rc == 2 and "does not support bfloat16" in err
