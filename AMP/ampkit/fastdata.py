@@ -74,7 +74,7 @@ def load_uint8(name: str, root: Path, info: DistInfo, train: bool) -> Tuple[torc
         return _fake_uint8(train)
     if name == "ImageFolder":
         raise UserError("--dataset ImageFolder is read from disk by the classic DataLoader "
-                        "input path; it is not held in memory")
+                        "input path (--loader classic or auto); it is not held in memory")
     raise UserError(f"unknown --dataset {name!r}")
 
 
