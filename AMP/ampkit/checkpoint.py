@@ -25,7 +25,7 @@ from torch import nn
 from .errors import UserError
 
 LAST, BEST = "last.pth", "best.pth"
-_PREFIXES = ("module.", "_orig_mod.")
+_WRAPPER_SEGMENTS = ("module", "_orig_mod")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -40,16 +40,16 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def strip_prefixes(state_dict: Dict[str, Any]) -> Dict[str, Any]:
-    out = {}
-    for key, value in state_dict.items():
-        changed = True
-        while changed:
-            changed = False
-            for p in _PREFIXES:
-                if key.startswith(p):
-                    key, changed = key[len(p):], True
-        out[key] = value
-    return out
+    """Drop wrapper segments (``module.``, ``_orig_mod.``) wherever they occur in the keys:
+    at the front for a wrapped model, inside for a wrapped submodule (DataParallel on
+    ``model.features`` gives ``features.module.0.weight``)."""
+    return {".".join(p for p in key.split(".") if p not in _WRAPPER_SEGMENTS): value
+            for key, value in state_dict.items()}
+
+
+def model_state(model: nn.Module) -> Dict[str, Any]:
+    """The model's weights without any wrapper prefix: loadable by every variant."""
+    return strip_prefixes(unwrap(model).state_dict())
 
 
 def atomic_save(obj: Any, path: Path) -> None:

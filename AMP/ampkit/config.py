@@ -19,6 +19,7 @@ TENSORBOARD_DIR = REPO_ROOT / "tensorboard"
 
 DATASETS = ("CIFAR10", "ImageFolder", "FakeData")
 AMP_DTYPES = ("float16", "bfloat16")
+LOADERS = ("auto", "fast", "classic")
 MIN_IMG_SIZE = 63  # AlexNet's feature extractor needs at least 63x63 input
 
 
@@ -52,7 +53,15 @@ def _add_common(p: argparse.ArgumentParser, *, ddp: bool, for_eval: bool) -> Non
     p.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
                    help="autocast dtype. Default: float16 on CUDA, bfloat16 on the CPU")
     p.add_argument("--num_workers", type=int, default=None,
-                   help="DataLoader worker processes. Default: 4 with CUDA, 0 on the CPU")
+                   help="DataLoader worker processes (classic loader). Default: 4 with CUDA, "
+                        "0 on the CPU")
+    p.add_argument("--loader", choices=LOADERS, default="auto",
+                   help="input path: 'fast' holds the whole data set as uint8 on the device and "
+                        "resizes/normalises/flips there in batch; 'classic' is torchvision's "
+                        "DataLoader with PIL transforms; 'auto' is fast for CIFAR10/FakeData, "
+                        "classic for ImageFolder")
+    p.add_argument("--channels_last", action=argparse.BooleanOptionalAction, default=False,
+                   help="use the channels_last memory format for the model and its inputs")
 
 
 def train_parser(variant: str, ddp: bool) -> Parser:
@@ -72,6 +81,12 @@ def train_parser(variant: str, ddp: bool) -> Parser:
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--pretrained", action="store_true",
                    help="start from torchvision's ImageNet weights (downloaded via torch.hub)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (single device and DDP)")
+    p.add_argument("--dp_scope", choices=("model", "features"), default="model",
+                   help="DataParallel wraps the whole model, or only model.features as in "
+                        "pytorch/examples' ImageNet script (the big linear layers then run on "
+                        "one GPU)")
     p.add_argument("--log_every", type=int, default=20,
                    help="steps between reads of the loss on the host (progress bar, checks)")
     return p

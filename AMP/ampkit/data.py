@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torchvision
@@ -170,3 +170,42 @@ def train_loader(dataset: Dataset, batch_size: int, num_workers: int, info: Dist
 def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, info: DistInfo) -> DataLoader:
     sampler = ShardSampler(len(dataset), info.rank, info.world_size)
     return _loader(dataset, batch_size, sampler, num_workers, info.device)
+
+
+@dataclass
+class Loaders:
+    train: Optional[Iterable]  # None for eval
+    val: Iterable
+    num_classes: int
+    train_size: int
+    val_size: int
+    kind: str                  # "fast" or "classic"
+
+
+def build_loaders(name: str, root: Path, img_size: int, batch_size: int, info: DistInfo, *,
+                  loader: str = "auto", num_workers: Optional[int] = None, seed: int = 0,
+                  channels_last: bool = False, train: bool = True) -> Loaders:
+    """The training (unless ``train=False``) and validation loaders, fast or classic path.
+
+    Both yield (images, targets) batches in the same order for the same seed and epoch;
+    both expose ``.sampler`` with ``set_epoch`` and ``start_index`` for training.
+    """
+    from .fastdata import fast_loaders, fits_in_memory
+
+    kind = ("fast" if fits_in_memory(name) else "classic") if loader == "auto" else loader
+    if kind == "fast":
+        train_dl, val_dl, num_classes = fast_loaders(name, root, img_size, batch_size, info,
+                                                     seed=seed, channels_last=channels_last,
+                                                     train=train)
+        sizes = (train_dl.dataset_size if train_dl is not None else 0, val_dl.dataset_size)
+    else:
+        data = build_datasets(name, root, img_size, info, train=train)
+        workers = default_workers(num_workers, info.device)
+        train_dl = train_loader(data.train, batch_size, workers, info, seed) if train else None
+        val_dl = eval_loader(data.val, batch_size, workers, info)
+        num_classes = data.num_classes
+        sizes = (len(data.train) if train else 0, len(data.val))
+    if (train and sizes[0] == 0) or sizes[1] == 0:
+        raise UserError(f"{root}: the data set has no images"
+                        + ("" if sizes[1] else " in its validation/test split"))
+    return Loaders(train_dl, val_dl, num_classes, sizes[0], sizes[1], kind)

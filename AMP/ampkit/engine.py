@@ -45,6 +45,7 @@ class EpochStats:
     skipped: int         # steps GradScaler skipped because of inf/NaN gradients
     nonfinite: int       # steps whose loss was inf/NaN
     stopped_at: Optional[int] = None  # step index within the epoch where a stop request ended it
+    data_seconds: float = 0.0  # part of `seconds` spent waiting for input (rank 0's)
 
     @property
     def images_per_s(self) -> float:
@@ -60,7 +61,8 @@ def train_one_epoch(model: nn.Module, loader: Iterable, criterion: nn.Module,
                     optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                     autocast: Callable[[], ContextManager], info: DistInfo, *,
                     desc: str = "train", start_step: int = 0, log_every: int = 20,
-                    max_nonfinite: int = 5, stop: Optional[StopFlag] = None) -> EpochStats:
+                    max_nonfinite: int = 5, stop: Optional[StopFlag] = None,
+                    input_format: torch.memory_format = torch.preserve_format) -> EpochStats:
     device = info.device
     model.train()
     loss_sum = torch.zeros((), device=device)
@@ -75,9 +77,17 @@ def train_one_epoch(model: nn.Module, loader: Iterable, criterion: nn.Module,
     total = start_step + len(loader) if hasattr(loader, "__len__") else None
     bar = tqdm(total=total, initial=start_step, desc=desc, disable=not info.is_main,
                leave=False, dynamic_ncols=True)
+    data_seconds = 0.0  # host time blocked waiting for the next batch (input stalls)
+    batches = iter(loader)
     try:
-        for images, targets in loader:
-            images = images.to(device, non_blocking=True)
+        while True:
+            t_wait = time.perf_counter()
+            try:
+                images, targets = next(batches)
+            except StopIteration:
+                break
+            data_seconds += time.perf_counter() - t_wait
+            images = images.to(device, non_blocking=True, memory_format=input_format)
             targets = targets.to(device, non_blocking=True)
             with autocast():
                 outputs = model(images)
@@ -136,19 +146,21 @@ def train_one_epoch(model: nn.Module, loader: Iterable, criterion: nn.Module,
                                "stopping. Lower --lr or use a GradScaler variant")
     mean_loss = loss_total / finite_images if finite_images else float("nan")
     return EpochStats(loss=mean_loss, images=int(images), seconds=seconds, steps=steps_done,
-                      skipped=int(skipped), nonfinite=int(nonfinite), stopped_at=stopped_at)
+                      skipped=int(skipped), nonfinite=int(nonfinite), stopped_at=stopped_at,
+                      data_seconds=data_seconds)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Iterable, autocast: Callable[[], ContextManager],
-             info: DistInfo, desc: str = "eval") -> Tuple[int, int]:
+             info: DistInfo, desc: str = "eval",
+             input_format: torch.memory_format = torch.preserve_format) -> Tuple[int, int]:
     """Top-1 (correct, total) over the whole split, summed exactly across ranks."""
     device = info.device
     model.eval()
     counts = torch.zeros(2, dtype=torch.int64, device=device)
     for images, targets in tqdm(loader, desc=desc, disable=not info.is_main, leave=False,
                                 dynamic_ncols=True):
-        images = images.to(device, non_blocking=True)
+        images = images.to(device, non_blocking=True, memory_format=input_format)
         targets = targets.to(device, non_blocking=True)
         with autocast():
             outputs = model(images)

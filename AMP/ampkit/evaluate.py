@@ -17,7 +17,7 @@ from alexnet import alexnet
 
 from . import checkpoint as ckpt_io
 from .config import DATA_DIR, parse_eval_args
-from .data import build_datasets, default_workers, eval_loader
+from .data import build_loaders
 from .distributed import DistInfo, cleanup, setup
 from .engine import evaluate
 from .errors import UserError, report_user_errors
@@ -34,13 +34,14 @@ def run(args, parallel: str, info: DistInfo) -> float:
     root = Path(args.dataset_root or trained.get("dataset_root") or DATA_DIR)
     img_size = args.img_size or trained.get("img_size") or 227
 
-    data = build_datasets(dataset, root, img_size, info, train=False)
-    if len(data.val) == 0:
-        raise UserError(f"{root}: the test split has no images")
+    data = build_loaders(dataset, root, img_size, args.batch_size, info, loader=args.loader,
+                         num_workers=args.num_workers, channels_last=args.channels_last,
+                         train=False)
     amp_dtype = resolve_amp_dtype(args.amp_dtype, device) if args.autocast else None
     model = alexnet(num_classes=data.num_classes, amp_dtype=amp_dtype)
     ckpt_io.load_weights(model, state, path)
-    model = model.to(device)
+    input_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = model.to(device, memory_format=input_format)
     if parallel == "dp":
         model = nn.DataParallel(model)
     # eval_DDP needs no DDP wrapper: there is no gradient to synchronise, each rank
@@ -48,9 +49,8 @@ def run(args, parallel: str, info: DistInfo) -> float:
 
     if info.is_main:
         print(f"checkpoint: {path}", flush=True)
-    loader = eval_loader(data.val, args.batch_size, default_workers(args.num_workers, device), info)
-    correct, total = evaluate(model, loader, autocast_factory(device, amp_dtype), info,
-                              desc=eval_name(parallel))
+    correct, total = evaluate(model, data.val, autocast_factory(device, amp_dtype), info,
+                              desc=eval_name(parallel), input_format=input_format)
     acc = correct / total
     if info.is_main:
         print(f"top-1 accuracy on {dataset} test split ({img_size}px"

@@ -132,7 +132,11 @@ class DeviceLoader:
         return math.ceil(len(self.sampler) / self.batch_size)
 
     def _epoch_indices(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        indices = torch.tensor(list(self.sampler), dtype=torch.int64).to(self.device)
+        indices = torch.tensor(list(self.sampler), dtype=torch.int64)
+        if self.device.type == "cuda":
+            # Pinned, so the copy is asynchronous: not even the epoch start waits for the GPU.
+            indices = indices.pin_memory()
+        indices = indices.to(self.device, non_blocking=True)
         if not self.train:
             return indices, None
         # Flips for the whole epoch, then the same start_index cut as the sampler's:

@@ -16,7 +16,7 @@ from alexnet import alexnet
 
 from . import checkpoint as ckpt_io
 from .config import args_to_plain, parse_train_args
-from .data import build_datasets, default_workers, eval_loader, train_loader
+from .data import build_loaders
 from .distributed import DistInfo, cleanup, setup
 from .engine import StopFlag, evaluate, train_one_epoch
 from .errors import UserError, report_user_errors
@@ -34,9 +34,15 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
-def wrap_model(model: nn.Module, parallel: str, info: DistInfo) -> nn.Module:
+def wrap_model(model: nn.Module, parallel: str, info: DistInfo,
+               dp_scope: str = "model") -> nn.Module:
     if parallel == "dp":
         # Over all visible GPUs; without CUDA, DataParallel calls the module directly.
+        if dp_scope == "features":
+            # pytorch/examples' ImageNet recipe for AlexNet/VGG: replicate only the conv
+            # layers; the 54M-parameter classifier stays on one GPU (no per-step broadcast).
+            model.features = nn.DataParallel(model.features)
+            return model
         return nn.DataParallel(model)
     if parallel == "ddp":
         return DistributedDataParallel(
@@ -102,15 +108,17 @@ def _train(args, parallel, precision, info, variant, amp_dtype, run_dir, tb_dir,
         logger.warn("this CPU has no native bfloat16 (AVX512-BF16/AMX): CPU autocast will be "
                     "several times slower than fp32 here")
 
-    data = build_datasets(args.dataset, args.dataset_root, args.img_size, info)
-    if len(data.train) == 0 or len(data.val) == 0:
-        raise UserError(f"{args.dataset_root}: the data set has no images")
-    workers = default_workers(args.num_workers, device)
-    train_dl = train_loader(data.train, args.batch_size, workers, info, args.seed)
-    val_dl = eval_loader(data.val, args.batch_size, workers, info)
+    if args.compile and parallel == "dp":
+        raise UserError("--compile is supported for single-device and DDP runs, not DataParallel")
+    data = build_loaders(args.dataset, args.dataset_root, args.img_size, args.batch_size, info,
+                         loader=args.loader, num_workers=args.num_workers, seed=args.seed,
+                         channels_last=args.channels_last)
+    train_dl, val_dl = data.train, data.val
 
     model = alexnet(pretrained=args.pretrained, num_classes=data.num_classes,
-                    amp_dtype=amp_dtype).to(device)
+                    amp_dtype=amp_dtype)
+    input_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = model.to(device, memory_format=input_format)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr,
                                   fused=True if device.type == "cuda" else None)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=3)
@@ -135,24 +143,26 @@ def _train(args, parallel, precision, info, variant, amp_dtype, run_dir, tb_dir,
                 torch.cuda.set_rng_state(state["rng"]["cuda"], device)
         logger.print(f"resumed from {resume_path}: epoch {start_epoch + 1}, step {start_step}")
 
-    model = wrap_model(model, parallel, info)
+    model = wrap_model(model, parallel, info, dp_scope=args.dp_scope)
+    if args.compile:
+        model = torch.compile(model)  # after DDP wrapping, as PyTorch recommends
     autocast = autocast_factory(device, amp_dtype)
     stop = StopFlag()
     _install_signal_handlers(stop, logger)
 
-    logger.print(f"{variant}: {args.dataset} ({len(data.train)} train / {len(data.val)} val "
+    logger.print(f"{variant}: {args.dataset} ({data.train_size} train / {data.val_size} val "
                  f"images, {data.num_classes} classes) at {args.img_size}px on {device}"
                  f"{f' x{info.world_size} processes' if info.distributed else ''}"
                  f"{f' x{torch.cuda.device_count()} GPUs' if parallel == 'dp' and device.type == 'cuda' else ''}, "
                  f"precision {precision}{f' ({str(amp_dtype)[6:]})' if amp_dtype else ''}, "
-                 f"batch {args.batch_size}{' per process' if info.distributed else ''}")
+                 f"batch {args.batch_size}{' per process' if info.distributed else ''}, {data.kind} loader")
 
     def save(epoch: int, step: int, is_best: bool, val_acc: Optional[float]) -> None:
         if not info.is_main:
             return
         rng = {"torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-        state = {"model": ckpt_io.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+        state = {"model": ckpt_io.model_state(model), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(),
                  "scaler": scaler.state_dict() if scaler.is_enabled() else None,
                  "epoch": epoch, "step": step, "best_acc": best_acc, "best_epoch": best_epoch,
@@ -173,7 +183,7 @@ def _train(args, parallel, precision, info, variant, amp_dtype, run_dir, tb_dir,
         t_epoch = time.perf_counter()
         stats = train_one_epoch(model, train_dl, criterion, optimizer, scaler, autocast, info,
                                 desc=f"epoch {epoch + 1}/{args.epochs}", start_step=step0,
-                                log_every=args.log_every, stop=stop)
+                                log_every=args.log_every, stop=stop, input_format=input_format)
         train_seconds += stats.seconds
         if stats.stopped_at is not None:
             save(epoch, stats.stopped_at, False, None)
@@ -181,7 +191,8 @@ def _train(args, parallel, precision, info, variant, amp_dtype, run_dir, tb_dir,
                          f"{stats.stopped_at}; saved {run_dir / ckpt_io.LAST}. "
                          f"Continue with --resume")
             return 128 + int(getattr(signal, stop.signal_name or "SIGTERM"))
-        correct, total = evaluate(model, val_dl, autocast, info, desc="val")
+        correct, total = evaluate(model, val_dl, autocast, info, desc="val",
+                                  input_format=input_format)
         val_acc = correct / total
         scheduler.step(val_acc)  # on the validation metric (mode="max")
         epoch_seconds = time.perf_counter() - t_epoch
@@ -191,6 +202,8 @@ def _train(args, parallel, precision, info, variant, amp_dtype, run_dir, tb_dir,
         save(epoch + 1, 0, is_best, val_acc)
 
         scale = scaler.get_scale() if scaler.is_enabled() else None
+        # The largest of all ranks (a collective: every rank computes it).
+        peak_mem = info.all_reduce_max(torch.tensor(peak_memory_mb(device), device=device)).item()
         logger.print(
             f"epoch {epoch + 1}/{args.epochs}  train_loss {stats.loss:.4f}  "
             f"val_acc {val_acc:.4f} ({correct}/{total})  lr {lr:.2e}  "
@@ -198,8 +211,9 @@ def _train(args, parallel, precision, info, variant, amp_dtype, run_dir, tb_dir,
             + (f"  skipped_steps {stats.skipped}  scale {scale:.0f}" if scale is not None else ""))
         row = {"epoch": epoch + 1, "train_loss": stats.loss, "val_acc": val_acc, "lr": lr,
                "epoch_time": epoch_seconds, "train_time": stats.seconds,
-               "images_per_s": stats.images_per_s, "skipped_steps": stats.skipped,
-               "peak_mem_mb": peak_memory_mb(device)}
+               "data_time": stats.data_seconds, "images_per_s": stats.images_per_s,
+               "skipped_steps": stats.skipped, "peak_mem_mb": peak_mem,
+               "peak_mem_kind": "cuda_allocated" if device.type == "cuda" else "max_rss"}
         logger.record(row | ({"grad_scale": scale} if scale is not None else {}))
         logger.scalars({"train/loss": stats.loss, "train/lr": lr, "val/accuracy": val_acc,
                         "time/epoch_seconds": epoch_seconds,
