@@ -112,29 +112,25 @@ def test_channels_last_option(cifar_root):
         assert torch.equal(x, x_ref)
 
 
-def test_in_memory_datasets_only(imagefolder_root, tmp_path):
+def test_in_memory_datasets_only(imagefolder_root, tmp_path, monkeypatch):
     assert fits_in_memory("CIFAR10") and fits_in_memory("FakeData")
     assert not fits_in_memory("ImageFolder")
     with pytest.raises(UserError, match="classic"):
         fast_loaders("ImageFolder", imagefolder_root, 64, 8, info())
-    with pytest.raises(UserError, match="CIFAR-10 is not in"):  # the classic path's message
-        with socket_blocked():
-            load_uint8("CIFAR10", tmp_path / "empty", info(), train=False)
-
-
-@contextlib.contextmanager
-def socket_blocked():
-    """No network in tests: a download attempt fails at once."""
     import socket
 
     def refuse(*args, **kwargs):
         raise OSError("network disabled in tests")
-    saved = socket.socket.connect
-    socket.socket.connect = refuse
-    try:
-        yield
-    finally:
-        socket.socket.connect = saved
+    # No network in tests: the download attempt fails at once, whatever the machine.
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    with pytest.raises(UserError, match="CIFAR-10 is not in"):  # the classic path's message
+        load_uint8("CIFAR10", tmp_path / "empty", info(), train=False)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="is a file"):
+        load_uint8("CIFAR10", tmp_path / "file", info(), train=True)
+    with pytest.raises(UserError, match="unknown --dataset"):
+        load_uint8("MNIST", tmp_path, info(), train=True)
 
 
 # --------------------------------------------------------------------------- DDP sharding
@@ -284,3 +280,29 @@ def test_bench_cli(capsys):
     out = capsys.readouterr().out
     for word in ("article", "classic", "fast", "images/s", "fast / article"):
         assert word in out, out
+
+
+# --------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_batches_on_the_gpu_without_host_syncs(cifar_root):
+    device = torch.device("cuda")
+    cuda_info = DistInfo(device=device)
+    train, val, _ = fast_loaders("CIFAR10", cifar_root, 227, 8, cuda_info, seed=1)
+    _, val_cpu, _ = fast_loaders("CIFAR10", cifar_root, 227, 8, info())
+    assert train.images.device.type == "cuda" and not train.resize_uint8
+    x, y = next(iter(val))
+    x_cpu, y_cpu = next(iter(val_cpu))
+    assert x.device.type == "cuda" and y.device.type == "cuda"
+    assert torch.equal(y.cpu(), y_cpu)
+    assert (x.cpu() - x_cpu).abs().max() <= 1.5 * UINT8_STEP  # float resize on the GPU
+    train.sampler.set_epoch(1)
+    batches = iter(train)
+    sizes = [next(batches)[0].shape[0]]  # the epoch's set-up: permutation, flips
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a host sync in the per-step path raises
+    try:
+        sizes += [x.shape[0] for x, _ in batches]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sum(sizes) == train.sampler.num_samples and len(sizes) == len(train) > 2
