@@ -8,10 +8,15 @@ Normalize, RandomHorizontalFlip) is done here on the device for the whole batch:
 
     images_u8[indices] -> flip (train) -> resize (bilinear, antialias) -> float, normalise
 
-No DataLoader, no workers, no host-to-device copy per step and no host sync in
-``__iter__``: the epoch's permutation is built on the host once per epoch and sent
-to the device in one copy, the flips are drawn for the whole epoch from a
-``torch.Generator`` on the device seeded from (seed, epoch, rank).
+No DataLoader, no workers, no host-to-device copy per step and no host sync per
+step: the epoch's permutation is built on the host once per epoch and sent to the
+device in one (pinned, asynchronous) copy; the flips are drawn for the whole epoch
+from a ``torch.Generator`` on the device seeded from (seed, epoch, rank), so a run
+resumed mid-epoch gets the same flips.
+
+On the CPU the resize runs on uint8 (PyTorch's vectorised antialiased kernel, which
+rounds like PIL: the same pixels as the classic path to one uint8 step); on CUDA it
+runs in float32 after normalising at the source size.
 
 Sampling is the classic path's, so the two paths agree sample for sample:
 training uses ``ResumableDistributedSampler`` (``DistributedSampler`` semantics:
@@ -118,13 +123,13 @@ class DeviceLoader:
                 shuffle=True, seed=seed)
         else:
             self.sampler = ShardSampler(self.dataset_size, info.rank, info.world_size)
-        # Normalize((x/255 - mean) / std) as one multiply-add on uint8 values.
+        # Normalize((x/255 - mean) / std) as x * scale + bias on the 0..255 values.
         std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1) * 255
         mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1) * 255
         self._scale = (1 / std).to(self.device)
         self._bias = (-mean / std).to(self.device)
         # The CPU has a fast uint8 antialiased bilinear kernel (channels_last) that also
-        # rounds to uint8 like PIL; CUDA resizes in float (no uint8 kernel there).
+        # rounds to uint8 like PIL; CUDA's antialiased kernel takes floating types only.
         self.resize_uint8 = self.device.type == "cpu"
 
     def __len__(self) -> int:
