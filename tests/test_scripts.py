@@ -188,8 +188,11 @@ def test_checkpoint_is_prefix_free_and_complete(variant, runs):
         assert all(v.dtype == torch.float32 for v in ckpt["model"].values())
         assert ckpt["variant"] == variant
         assert ckpt["args"]["dataset"] == run.dataset
-        assert (ckpt["scaler"] is not None) == variant.endswith("GradScaler")
     last = _load(run.run_dir / "last.pth")
+    # last.pth is the full training state; best.pth holds weights and metadata only.
+    assert (last["scaler"] is not None) == variant.endswith("GradScaler")
+    assert {"optimizer", "scheduler", "rng"} <= set(last)
+    assert not {"optimizer", "scheduler", "scaler"} & set(_load(run.run_dir / "best.pth"))
     assert last["epoch"] == run.epochs
     best_row = max(run.log_rows(), key=lambda r: r["val_acc"])
     assert _load(run.run_dir / "best.pth")["val_acc"] == pytest.approx(best_row["val_acc"])

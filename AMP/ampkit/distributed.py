@@ -105,9 +105,26 @@ def setup(ddp: bool, cuda_flag: Optional[bool]) -> DistInfo:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    _init_process_group(backend, rank, world_size, datetime.timedelta(minutes=30))
     return DistInfo(device=device, rank=rank, world_size=world_size,
                     local_rank=local_rank, distributed=True)
+
+
+def _init_process_group(backend: str, rank: int, world_size: int,
+                        timeout: datetime.timedelta) -> None:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        dist.init_process_group(backend=backend, timeout=timeout)  # env:// from torchrun
+        return
+    # After a torchrun restart the agent's store still holds the previous attempt's
+    # keys, and a new rank can read a dead peer's address from them before its new
+    # peer overwrites it (gloo: "connectFullMesh failed ... Connection refused").
+    # Keep each attempt's keys apart with a prefix.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"attempt_{restart}", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
 
 
 def cleanup(info: DistInfo) -> None:
