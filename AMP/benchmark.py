@@ -13,7 +13,9 @@ with --peak_tflops (per device), the utilisation. DDP variants run as a one-proc
 (the DDP machinery on one device; multi-process runs are what compare.py measures).
 
 Input pipeline: images/s delivered to the device at --img_size by the classic DataLoader
-path (--dataset, default FakeData) and by the fast device path when ampkit has it.
+path (ampkit.data) and by the fast device path (ampkit.fastdata), each timed by
+ampkit.pipeline_bench.measure_input_pipeline (as bench/input_pipeline.py does) on CIFAR-10
+when --dataset_root holds it, else on generated images in CIFAR-10's format.
 """
 from __future__ import annotations
 
@@ -23,14 +25,15 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ampkit.config import AMP_DTYPES, DATA_DIR, DATASETS, MIN_IMG_SIZE, Parser
+from ampkit.config import AMP_DTYPES, DATA_DIR, MIN_IMG_SIZE, Parser
 from ampkit.variants import TRAIN_VARIANTS
 
-PIPELINES = ("both", "classic", "fast", "none")
+PIPELINES = {"both": ["classic", "fast"], "classic": ["classic"], "fast": ["fast"], "none": []}
 
 
 def build_parser() -> Parser:
-    p = Parser(prog="benchmark.py", description=__doc__.split("\n\n")[0],
+    # allow_abbrev=False: the removed --dataset must not be taken as --dataset_root
+    p = Parser(prog="benchmark.py", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(
                    prog, max_help_position=32))
     p.add_argument("--variants", default=None,
@@ -49,11 +52,12 @@ def build_parser() -> Parser:
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="peak TFLOP/s of ONE device at the variant's precision, for the "
                         "utilisation column (e.g. the datasheet's dense fp16/bf16 figure)")
-    p.add_argument("--pipeline", choices=PIPELINES, default="both",
+    p.add_argument("--pipeline", choices=list(PIPELINES), default="both",
                    help="which input paths to measure")
-    p.add_argument("--dataset", choices=DATASETS, default="FakeData",
-                   help="data set of the classic input path")
-    p.add_argument("--dataset_root", type=Path, default=DATA_DIR)
+    p.add_argument("--dataset_root", type=Path, default=DATA_DIR,
+                   help="input pipeline data: CIFAR-10 (cifar-10-batches-py/) if present here, "
+                        "else batch_size x (warm-up + timed batches + 1) generated images "
+                        "(at least 256) in CIFAR-10's format, in a temporary folder")
     p.add_argument("--num_workers", type=int, default=None,
                    help="DataLoader workers of the classic path (default: 4 with CUDA, 0 on CPU)")
     p.add_argument("--pipeline_batches", type=int, default=10,
@@ -141,29 +145,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         ddp.close()
 
-    pipes: List[bench.PipelineResult] = []
-    workers = default_workers(args.num_workers, device)
-    warm = min(args.warmup, 2)
-    if args.pipeline in ("both", "classic"):
-        try:
-            pipes.append(bench.measure_classic_pipeline(
-                args.dataset, args.dataset_root, args.img_size, args.batch_size, workers, device,
-                warmup=warm, batches=args.pipeline_batches))
-        except (UserError, RuntimeError, ValueError, OSError) as e:
-            failed += 1
-            pipes.append(bench.PipelineResult("classic", args.dataset, args.img_size,
-                                              args.batch_size, workers, device.type,
-                                              status="failed", reason=str(e).splitlines()[0]))
-    if args.pipeline in ("both", "fast"):
-        try:
-            pipes.append(bench.measure_fast_pipeline(
-                args.dataset, args.dataset_root, args.img_size, args.batch_size, device,
-                warmup=warm, batches=args.pipeline_batches))
-        except Exception as e:  # the fast path is another module's: report, do not crash
-            failed += 1
-            pipes.append(bench.PipelineResult("fast", args.dataset, args.img_size,
-                                              args.batch_size, 0, device.type, status="failed",
-                                              reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+    pipes = bench.measure_pipelines(
+        PIPELINES[args.pipeline], args.dataset_root, args.img_size, args.batch_size,
+        default_workers(args.num_workers, device), device, warmup=min(args.warmup, 2),
+        batches=args.pipeline_batches)
+    failed += sum(p.status != "ok" for p in pipes)
 
     if steps:
         print("\nTraining step (synthetic batches on the device; warm-up excluded; "
@@ -172,7 +158,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.peak_tflops is None:
             print("(util: give --peak_tflops, one device's peak at the variant's precision)")
     if pipes:
-        print(f"\nInput pipeline alone (images/s delivered to {device.type} at {args.img_size}px):")
+        print(f"\nInput pipeline alone (images/s delivered to {device.type} at {args.img_size}px; "
+              f"{args.pipeline_batches} timed batches after "
+              f"{min(args.warmup, 2)} warm-up):")
         print(bench.pipeline_table(pipes))
     if args.json is not None:
         out = {"device": where, "torch": torch.__version__, "args": {

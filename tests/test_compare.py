@@ -167,7 +167,8 @@ def test_benchmark_prints_positive_throughput_for_model_and_input_pipeline(tmp_p
     out = tmp_path / "bench.json"
     res = run_script("benchmark", "--no-cuda", "--variants", "train_without,train_DDP_autocast",
                      "--img_size", "64", "--batch_size", "4", "--steps", "2", "--warmup", "1",
-                     "--pipeline_batches", "2", "--peak_tflops", "1", "--json", out)
+                     "--pipeline_batches", "2", "--peak_tflops", "1", "--json", out,
+                     "--dataset_root", tmp_path / "no_cifar")  # -> generated CIFAR-format images
     assert res.returncode == 0, res.describe()
     assert "Training step" in res.stdout and "Input pipeline alone" in res.stdout
     data = json.loads(out.read_text())
@@ -180,10 +181,12 @@ def test_benchmark_prints_positive_throughput_for_model_and_input_pipeline(tmp_p
         assert s["timer"] == "perf_counter" and s["steps"] == 2 and s["warmup"] == 1
     # the same model and batch: the same FLOPs whatever the precision
     assert data["steps"][0]["gflop_per_step"] == pytest.approx(data["steps"][1]["gflop_per_step"])
+    # both input paths, timed by pipeline_bench.measure_input_pipeline on the same data
     pipes = {p["path"]: p for p in data["pipeline"]}
-    assert pipes["classic"]["status"] == "ok" and pipes["classic"]["images_per_s"] > 0
-    if pipes.get("fast", {}).get("status") == "ok":
-        assert pipes["fast"]["images_per_s"] > 0
-    # the printed table carries the same positive numbers
-    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("classic"))
-    assert float(line.split()[-1]) > 0
+    assert sorted(pipes) == ["classic", "fast"]
+    for kind, p in pipes.items():
+        assert p["status"] == "ok" and p["images_per_s"] > 0 and p["batches"] == 2, p
+        assert p["dataset"].startswith("CIFAR10 (generated"), p
+        # the printed table carries the same positive numbers
+        line = next(ln for ln in res.stdout.splitlines() if ln.startswith(kind + " "))
+        assert float(line.split()[-1]) > 0, line

@@ -22,15 +22,15 @@ not multi-device scaling, which ``compare.py`` measures end to end).
   element-wise work is not counted); utilisation = achieved FLOP/s divided by
   ``peak_tflops`` x devices.
 
-The input pipeline is measured alone: images/s delivered to the device at
-``img_size`` through ampkit's classic DataLoader path (:mod:`ampkit.data`), and through
-the fast device path (``measure_input_pipeline("fast", ...)`` of
-:mod:`ampkit.pipeline_bench`) when that module is present.
+The input pipeline is measured alone, by :func:`ampkit.pipeline_bench.measure_input_pipeline`
+(:func:`measure_pipelines` only gathers its images/s into :class:`PipelineResult` rows):
+images/s delivered to the device at ``img_size`` through ampkit's classic DataLoader path
+(:mod:`ampkit.data`) and the fast device path (:mod:`ampkit.fastdata`), on CIFAR-10 when
+the given root holds it, else on generated images in CIFAR-10's format.
 """
 from __future__ import annotations
 
 import gc
-import inspect
 import resource
 import sys
 import time
@@ -45,6 +45,7 @@ from alexnet import alexnet
 
 from .distributed import DistInfo
 from .engine import train_one_epoch
+from .errors import UserError
 from .precision import autocast_factory, make_scaler, resolve_amp_dtype
 from .variants import TRAIN_VARIANTS
 
@@ -80,14 +81,14 @@ class StepResult:
 
 @dataclass
 class PipelineResult:
-    path: str                # "classic" or "fast"
-    dataset: str
+    path: str                # one of pipeline_bench.KINDS (benchmark.py: "classic", "fast")
+    dataset: str             # "CIFAR10", or "CIFAR10 (generated, N)" images in its format
     img_size: int
     batch_size: int
     num_workers: int
     device: str
     images_per_s: Optional[float] = None
-    batches: int = 0
+    batches: int = 0         # timed batches (after the uncounted warm-up ones)
     status: str = "ok"
     reason: str = ""
 
@@ -252,85 +253,41 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
 
 
 # --------------------------------------------------------------------------- input pipeline
-def measure_classic_pipeline(dataset: str, root: Path, img_size: int, batch_size: int,
-                             num_workers: int, device: torch.device, warmup: int = 2,
-                             batches: int = 10, seed: int = 0) -> PipelineResult:
-    """Images/s that ampkit's DataLoader path (:mod:`ampkit.data`) delivers to ``device``:
-    decode + resize + flip + ToTensor + normalise, collate, copy to the device."""
-    from .data import build_datasets, train_loader
-
-    res = PipelineResult(path="classic", dataset=dataset, img_size=img_size,
-                         batch_size=batch_size, num_workers=num_workers, device=device.type)
-    info = DistInfo(device=device)
-    data = build_datasets(dataset, Path(root), img_size, info)
-    loader = train_loader(data.train, batch_size, num_workers, info, seed)
-
-    def stream():
-        epoch = 0
-        while True:
-            loader.sampler.set_epoch(epoch)
-            n = 0
-            for x, y in loader:
-                n += 1
-                yield x, y
-            if n == 0:
-                raise ValueError(f"{dataset}: the training split gives no batch")
-            epoch += 1
-
-    it = stream()
-    for _ in range(warmup):  # worker start-up, first allocations: not counted
-        x, y = next(it)
-        x.to(device, non_blocking=True)
-    _sync(device)
-    t0 = time.perf_counter()
-    images = 0
-    for _ in range(batches):
-        x, y = next(it)
-        x = x.to(device, non_blocking=True)
-        y = y.to(device, non_blocking=True)
-        images += x.shape[0]
-    _sync(device)
-    seconds = time.perf_counter() - t0
-    del it, loader
-    res.images_per_s = images / seconds
-    res.batches = batches
-    return res
+def pipeline_images(batch_size: int, warmup: int, batches: int) -> int:
+    """Generated images for the pipeline measurement: one epoch covers the warm-up and
+    the timed batches (and a spare one), so no epoch boundary falls inside the clock."""
+    return max(batch_size * (warmup + batches + 1), 256)
 
 
-def fast_pipeline_function() -> Optional[Callable]:
-    """``measure_input_pipeline`` of the fast device path, when its module is present."""
-    for name in ("ampkit.pipeline_bench", "ampkit.fastdata"):
-        try:
-            module = __import__(name, fromlist=["measure_input_pipeline"])
-        except ImportError:
-            continue
-        fn = getattr(module, "measure_input_pipeline", None)
-        if fn is not None:
-            return fn
-    return None
+def measure_pipelines(kinds: List[str], root: Optional[Path], img_size: int, batch_size: int,
+                      num_workers: int, device: torch.device, warmup: int = 2,
+                      batches: int = 10) -> List[PipelineResult]:
+    """Images/s of each input path in ``kinds`` (see :data:`ampkit.pipeline_bench.KINDS`),
+    each timed by :func:`ampkit.pipeline_bench.measure_input_pipeline` on the same data:
+    CIFAR-10 under ``root`` when it is there, else generated images in its format.
+    A path that fails is reported (``status="failed"``) and the others still run."""
+    from .pipeline_bench import cifar_root, has_cifar10, measure_input_pipeline
 
-
-def measure_fast_pipeline(dataset: str, root: Path, img_size: int, batch_size: int,
-                          device: torch.device, warmup: int = 2,
-                          batches: int = 10) -> PipelineResult:
-    res = PipelineResult(path="fast", dataset=dataset if dataset == "CIFAR10" else
-                         "CIFAR10 (generated)", img_size=img_size, batch_size=batch_size,
-                         num_workers=0, device=device.type)
-    fn = fast_pipeline_function()
-    if fn is None:
-        res.status, res.reason = "skipped", "no ampkit.pipeline_bench.measure_input_pipeline"
-        return res
-    wanted = dict(root=Path(root) if dataset == "CIFAR10" else None, img_size=img_size,
-                  batch_size=batch_size, num_workers=0, device=device, warmup=warmup,
-                  max_batches=batches, n=max(batch_size * (warmup + batches + 1), 256))
-    params = inspect.signature(fn).parameters
-    kwargs = {k: v for k, v in wanted.items() if k in params}
-    out = fn("fast", **kwargs)
-    if isinstance(out, dict):
-        out = out.get("images_per_s")
-    res.images_per_s = float(out) if out is not None else None
-    res.batches = batches
-    return res
+    n = pipeline_images(batch_size, warmup, batches)
+    dataset = "CIFAR10" if has_cifar10(root) else f"CIFAR10 (generated, {n})"
+    results = []
+    with cifar_root(root, n) as data_root:
+        for kind in kinds:
+            workers = 0 if kind != "classic" else num_workers  # only the classic path has workers
+            res = PipelineResult(path=kind, dataset=dataset, img_size=img_size,
+                                 batch_size=batch_size, num_workers=workers, device=device.type)
+            try:
+                res.images_per_s = measure_input_pipeline(
+                    kind, root=data_root, img_size=img_size, batch_size=batch_size,
+                    num_workers=workers, device=device, n=n, warmup=warmup, max_batches=batches)
+                res.batches = batches
+            except (UserError, RuntimeError, ValueError, OSError) as e:
+                res.status = "failed"
+                res.reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            results.append(res)
+    return results
 
 
 # --------------------------------------------------------------------------- tables
