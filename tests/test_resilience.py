@@ -67,7 +67,7 @@ def test_sigkill_mid_epoch_then_resume_completes(imagefolder_root, tmp_path):
     ckpt = tmp_path / "ckpt"
     run_dir = ckpt / "train_without"
     cmd = [sys.executable, str(REPO / "AMP" / "train_without.py"),
-           *_tiny(imagefolder_root, ckpt, "--epochs", "3", "--batch_size", "4")]
+           *_tiny(imagefolder_root, ckpt, "--epochs", "3")]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Kill once epoch 1's checkpoint is on disk, i.e. somewhere inside epoch 2.
     _wait_for(lambda: (run_dir / "last.pth").exists(), 120, proc)
@@ -79,7 +79,7 @@ def test_sigkill_mid_epoch_then_resume_completes(imagefolder_root, tmp_path):
     assert 1 <= done < 3
 
     rc, out, err = run_script("train_without", *_tiny(imagefolder_root, ckpt, "--epochs", "3",
-                                                         "--batch_size", "4", "--resume"))
+                                                         "--resume"))
     assert rc == 0, err
     assert f"resumed from {run_dir / 'last.pth'}: epoch {done + 1}" in out
     final = _load(run_dir / "last.pth")

@@ -55,7 +55,7 @@ def run(args, parallel: str, info: DistInfo) -> float:
     if info.is_main:
         print(f"top-1 accuracy on {dataset} test split ({img_size}px"
               f"{', autocast ' + str(amp_dtype)[6:] if amp_dtype else ''}"
-              f"{f', {info.world_size} processes' if info.distributed else ''}): "
+              f"{f', {info.world_size} processes' if info.world_size > 1 else ''}): "
               f"{correct}/{total} = {acc:.4f}", flush=True)
     return acc
 
