@@ -1,0 +1,37 @@
+"""Wrapper prefixes: whatever wraps the model (DP on the whole model or on model.features,
+DDP, torch.compile), the saved weights carry the bare AlexNet's keys."""
+import torch
+from torch import nn
+
+from alexnet import alexnet
+from ampkit import checkpoint as ckpt_io
+from ampkit.distributed import DistInfo
+from ampkit.train import wrap_model
+
+INFO = DistInfo(device=torch.device("cpu"))
+
+
+def _bare_keys():
+    return set(alexnet(num_classes=3).state_dict())
+
+
+def test_dp_on_features_only_saves_bare_keys_and_runs():
+    model = wrap_model(alexnet(num_classes=3), "dp", INFO, dp_scope="features")
+    assert isinstance(model.features, nn.DataParallel)
+    assert any(".module." in k for k in model.state_dict())  # the raw keys do carry it
+    state = ckpt_io.model_state(model)
+    assert set(state) == _bare_keys()
+    fresh = alexnet(num_classes=3)
+    fresh.load_state_dict(state)  # strict: every key matches
+    assert model(torch.randn(2, 3, 64, 64)).shape == (2, 3)
+
+
+def test_whole_model_dp_saves_bare_keys():
+    model = wrap_model(alexnet(num_classes=3), "dp", INFO)
+    assert all(k.startswith("module.") for k in model.state_dict())
+    assert set(ckpt_io.model_state(model)) == _bare_keys()
+
+
+def test_strip_prefixes_handles_nested_and_compiled_wrappers():
+    state = {"module._orig_mod.features.module.0.weight": 1, "classifier.6.bias": 2}
+    assert ckpt_io.strip_prefixes(state) == {"features.0.weight": 1, "classifier.6.bias": 2}
