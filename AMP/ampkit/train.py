@@ -119,6 +119,8 @@ def _train(args, parallel, precision, info, variant, amp_dtype, run_dir, tb_dir,
                     amp_dtype=amp_dtype)
     input_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=input_format)
+    # fused: one kernel for all parameters; with a GradScaler it also takes the inf/NaN
+    # flag on the device, so scaler.step() does not sync the host (it does otherwise).
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr,
                                   fused=True if device.type == "cuda" else None)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=3)
