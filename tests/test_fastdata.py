@@ -22,7 +22,7 @@ import torch
 import torchvision.transforms.functional as TF
 from torch import nn
 
-from ampkit.data import (MEAN, STD, build_datasets, build_transform, eval_loader,
+from ampkit.data import (STD, build_datasets, build_transform, eval_loader,
                          train_loader)
 from ampkit.distributed import DistInfo
 from ampkit.errors import UserError

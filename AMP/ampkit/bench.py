@@ -43,7 +43,7 @@ from torch import nn
 
 from alexnet import alexnet
 
-from .distributed import DistInfo
+from .distributed import DistInfo, synchronize
 from .engine import train_one_epoch
 from .errors import UserError
 from .precision import autocast_factory, make_scaler, resolve_amp_dtype
@@ -120,10 +120,6 @@ def _host_peak_mb() -> float:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -214,7 +210,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
         train_one_epoch(model, [pool[i % len(pool)] for i in range(warmup)], criterion,
                         optimizer, scaler, autocast, info, desc=f"{variant} warm-up",
                         log_every=log_every)
-    _sync(device)
+    synchronize(device)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -65,6 +65,12 @@ class DistInfo:
             self.barrier()
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (before reading a clock); a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def want_cuda(flag: Optional[bool]) -> bool:
     """``--cuda`` (True), ``--no-cuda`` (False) or neither (None: CUDA when available)."""
     if flag is None:

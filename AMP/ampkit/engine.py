@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .distributed import DistInfo
+from .distributed import DistInfo, synchronize
 from .errors import UserError
 
 
@@ -52,10 +52,6 @@ class EpochStats:
         return self.images / self.seconds if self.seconds > 0 else 0.0
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def train_one_epoch(model: nn.Module, loader: Iterable, criterion: nn.Module,
                     optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -71,7 +67,7 @@ def train_one_epoch(model: nn.Module, loader: Iterable, criterion: nn.Module,
     worst_bad = torch.zeros((), dtype=torch.int64, device=device)
     use_scaler = scaler.is_enabled()
 
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     step, steps_done, stopped_at = start_step, 0, None
     total = start_step + len(loader) if hasattr(loader, "__len__") else None
@@ -138,7 +134,7 @@ def train_one_epoch(model: nn.Module, loader: Iterable, criterion: nn.Module,
 
     totals = info.all_reduce_sum(torch.cat([counts.double(), loss_sum.double().view(1)]))
     worst = int(info.all_reduce_max(worst_bad.clone()).item())
-    _sync(device)
+    synchronize(device)
     seconds = time.perf_counter() - t0
     images, finite_images, skipped, nonfinite, loss_total = totals.tolist()
     if worst >= max_nonfinite and not use_scaler:

@@ -20,7 +20,7 @@ from .config import DATA_DIR, parse_eval_args
 from .data import build_loaders
 from .distributed import DistInfo, cleanup, setup
 from .engine import evaluate
-from .errors import UserError, report_user_errors
+from .errors import report_user_errors
 from .precision import autocast_factory, resolve_amp_dtype
 from .variants import eval_name
 

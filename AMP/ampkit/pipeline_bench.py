@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from .distributed import DistInfo
+from .distributed import DistInfo, synchronize
 
 KINDS = ("article", "classic", "fast")
 CIFAR_FOLDER = "cifar-10-batches-py"
@@ -95,10 +95,6 @@ def cifar_root(root: Optional[Path], n: int) -> Iterator[Path]:
         yield write_cifar10(Path(tmp), n, max(n // 8, 64))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def _build(kind: str, root: Path, img_size: int, batch_size: int, num_workers: int,
            info: DistInfo, channels_last: bool):
@@ -163,7 +159,7 @@ def measure_input_pipeline(kind: str, *, root: Optional[Path] = None, img_size: 
         batches = _batches(loader)
         for _ in range(warmup):  # worker start-up, first allocations: not counted
             next(batches)[0].to(device, non_blocking=True)
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         images = 0
         for _ in range(max_batches if max_batches is not None else len(loader)):
@@ -171,7 +167,7 @@ def measure_input_pipeline(kind: str, *, root: Optional[Path] = None, img_size: 
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
             images += x.shape[0]
-        _sync(device)
+        synchronize(device)
         seconds = time.perf_counter() - t0
         batches.close()
         del batches, loader  # stops persistent workers before the data folder goes
