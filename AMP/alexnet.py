@@ -8,6 +8,11 @@ decorator below re-enters autocast inside ``forward`` with the dtype chosen at
 run time (``model.amp_dtype``) and the device type of the input, so every
 replica, in every thread, computes in the precision the run asked for.
 
+``model.features`` is decorated the same way (``AutocastSequential``), because
+``--dp_scope features`` replicates that block alone (pytorch/examples' ImageNet
+recipe for AlexNet), and then the worker threads call ``features``, not
+``AlexNet.forward``. Setting ``model.amp_dtype`` sets both.
+
 ``amp_dtype = None`` leaves the caller's precision untouched (fp32 variants).
 """
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-__all__ = ["AlexNet", "alexnet", "autocast_forward"]
+__all__ = ["AlexNet", "AutocastSequential", "alexnet", "autocast_forward"]
 
 # torchvision's ImageNet weights (fetched only with pretrained=True, never in tests).
 ALEXNET_WEIGHTS_URL = "https://download.pytorch.org/models/alexnet-owt-7be5be79.pth"
@@ -38,16 +43,27 @@ def autocast_forward(forward: Callable) -> Callable:
     return wrapper
 
 
+class AutocastSequential(nn.Sequential):
+    """``nn.Sequential`` whose forward runs under autocast with ``amp_dtype`` (None: as called).
+
+    Same state-dict keys as ``nn.Sequential``; a plain attribute, which DataParallel's
+    replicas copy with the rest of the module's ``__dict__``.
+    """
+
+    amp_dtype: Optional[torch.dtype] = None
+
+    @autocast_forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
 class AlexNet(nn.Module):
     """torchvision.models.AlexNet, layer for layer (so its weights load), plus ``amp_dtype``."""
 
     def __init__(self, num_classes: int = 1000, dropout: float = 0.5,
                  amp_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        # A plain attribute, not a buffer: it is not saved in checkpoints, and
-        # DataParallel's replicas copy it with the rest of the module's __dict__.
-        self.amp_dtype = amp_dtype
-        self.features = nn.Sequential(
+        self.features = AutocastSequential(
             nn.Conv2d(3, 64, kernel_size=11, stride=4, padding=2),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(kernel_size=3, stride=2),
@@ -72,6 +88,21 @@ class AlexNet(nn.Module):
             nn.ReLU(inplace=True),
             nn.Linear(4096, num_classes),
         )
+        self.amp_dtype = amp_dtype
+
+    @property
+    def amp_dtype(self) -> Optional[torch.dtype]:
+        """The autocast dtype of ``forward`` (None: fp32). Not a buffer: it is not saved in
+        checkpoints, and DataParallel's replicas copy it with the module's ``__dict__``."""
+        return self._amp_dtype
+
+    @amp_dtype.setter
+    def amp_dtype(self, dtype: Optional[torch.dtype]) -> None:
+        self._amp_dtype = dtype
+        # Through any wrapper: with --dp_scope features, model.features is a DataParallel.
+        for m in self.modules():
+            if isinstance(m, AutocastSequential):
+                m.amp_dtype = dtype
 
     @autocast_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -39,9 +39,13 @@ def test_gpu_default_autocast_is_float16():
         assert model(x).dtype == torch.float32
 
 
-def test_dataparallel_over_visible_gpus_keeps_the_amp_dtype():
+@pytest.mark.parametrize("dp_scope", ["model", "features"])
+def test_dataparallel_over_visible_gpus_keeps_the_amp_dtype(dp_scope):
     """Replicas run in worker threads that get autocast's enabled flag but not its dtype:
-    bf16 (where supported) must still be bf16 on every GPU."""
+    bf16 (where supported) must still be bf16 on every GPU, with either --dp_scope."""
+    from ampkit.distributed import DistInfo
+    from ampkit.train import wrap_model
+
     n = torch.cuda.device_count()
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     model = _model(dtype)
@@ -51,9 +55,12 @@ def test_dataparallel_over_visible_gpus_keeps_the_amp_dtype():
         with lock:
             seen.append((output.device, output.dtype))
 
+    # conv1 runs in the replicas with either scope; fc2 too with the whole model replicated.
+    model.features[0].register_forward_hook(hook)
     model.classifier[4].register_forward_hook(hook)
-    dp = nn.DataParallel(model)
-    assert dp.device_ids == list(range(n))
+    dp = wrap_model(model, "dp", DistInfo(device=torch.device("cuda")), dp_scope=dp_scope)
+    wrapper = dp if dp_scope == "model" else dp.features
+    assert wrapper.device_ids == list(range(n))
     x = torch.randn(2 * n, 3, 64, 64, device="cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
         out = dp(x)

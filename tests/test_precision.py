@@ -149,6 +149,38 @@ def test_dtype_in_a_worker_thread_under_callers_autocast(model, images):
     assert results["alexnet"] == torch.bfloat16
 
 
+def test_dp_features_scope_replicas_keep_the_run_dtype(images):
+    """--dp_scope features replicates model.features alone: DataParallel's workers then call
+    that block (not AlexNet.forward) under ``autocast(device_type, enabled=True)``, which
+    takes the thread's default dtype, not the caller's. The block must still use the run's
+    dtype. float16 on the CPU, where the default is bfloat16, makes the difference visible."""
+    torch.manual_seed(0)
+    model = wrap_model(alexnet(num_classes=3).eval(), "dp", DistInfo(device=CPU),
+                       dp_scope="features")
+    assert isinstance(model.features, nn.DataParallel)
+    model.amp_dtype = torch.float16  # set after wrapping: reaches the wrapped block too
+    replica = model.features.module
+    assert replica.amp_dtype is torch.float16
+    results = {}
+
+    def worker():  # what torch.nn.parallel.parallel_apply's _worker does
+        with torch.no_grad(), torch.amp.autocast("cpu", enabled=True):
+            results["default"] = nn.Conv2d(3, 2, 3)(images).dtype
+            results["features"] = replica(images).dtype
+
+    with autocast_factory(CPU, torch.float16)():
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    assert results["default"] == torch.bfloat16  # control: the thread's own default dtype
+    assert results["features"] == torch.float16
+    with torch.no_grad():
+        assert model(images).dtype == torch.float16
+        model.amp_dtype = None
+        assert model(images).dtype == torch.float32
+        assert replica(images).dtype == torch.float32
+
+
 def test_dataparallel_wrapper_keeps_bf16_without_outer_autocast(model, images):
     model.amp_dtype = torch.bfloat16
     try:
