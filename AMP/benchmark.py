@@ -52,6 +52,13 @@ def build_parser() -> Parser:
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="peak TFLOP/s of ONE device at the variant's precision, for the "
                         "utilisation column (e.g. the datasheet's dense fp16/bf16 figure)")
+    p.add_argument("--channels_last", action=argparse.BooleanOptionalAction, default=False,
+                   help="model and inputs in the channels_last memory format (as in training)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (not the DataParallel variants); compilation "
+                        "happens in the warm-up steps")
+    p.add_argument("--dp_scope", choices=("model", "features"), default="model",
+                   help="DataParallel wraps the whole model or only model.features (as in training)")
     p.add_argument("--pipeline", choices=list(PIPELINES), default="both",
                    help="which input paths to measure")
     p.add_argument("--dataset_root", type=Path, default=DATA_DIR,
@@ -108,8 +115,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    extras = [name for name, on in (("channels_last", args.channels_last),
+                                    ("torch.compile", args.compile)) if on]
     print(f"benchmark.py: {len(args.variant_list)} variant(s) on {where}, batch {args.batch_size} "
-          f"at {args.img_size}px, {args.warmup} warm-up + {args.steps} timed steps", flush=True)
+          f"at {args.img_size}px, {args.warmup} warm-up + {args.steps} timed steps"
+          + "".join(f", {e}" for e in extras), flush=True)
     if device.type == "cpu" and args.amp_dtype != "float16" and cpu_has_fast_bf16() is False \
             and any(TRAIN_VARIANTS[v][1] != "fp32" for v in args.variant_list):
         print("warning: this CPU has no native bfloat16 (AVX512-BF16/AMX): the autocast "
@@ -125,7 +135,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     variant, device=device, batch_size=args.batch_size, img_size=args.img_size,
                     warmup=args.warmup, steps=args.steps, amp_dtype=args.amp_dtype,
                     num_classes=args.num_classes, lr=args.lr, peak_tflops=args.peak_tflops,
-                    ddp=ddp)
+                    ddp=ddp, channels_last=args.channels_last, compile=args.compile,
+                    dp_scope=args.dp_scope)
             except (UserError, RuntimeError, ValueError) as e:
                 par, prec = TRAIN_VARIANTS[variant]
                 r = bench.StepResult(variant=variant, parallel=par, precision=prec, amp_dtype="",

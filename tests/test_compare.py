@@ -190,3 +190,28 @@ def test_benchmark_prints_positive_throughput_for_model_and_input_pipeline(tmp_p
         # the printed table carries the same positive numbers
         line = next(ln for ln in res.stdout.splitlines() if ln.startswith(kind + " "))
         assert float(line.split()[-1]) > 0, line
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_benchmark_channels_last_reaches_the_model_and_its_inputs(monkeypatch, channels_last):
+    """benchmark.py --channels_last measures what training with --channels_last runs."""
+    import torch
+
+    from alexnet import alexnet
+    from ampkit import bench
+
+    seen = []
+
+    def hooked(**kw):
+        model = alexnet(**kw)
+        cl = torch.channels_last
+        model.features[0].register_forward_pre_hook(lambda mod, inp: seen.append(
+            (inp[0].is_contiguous(memory_format=cl), mod.weight.is_contiguous(memory_format=cl))))
+        return model
+
+    monkeypatch.setattr(bench, "alexnet", hooked)
+    r = bench.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
+                              img_size=64, warmup=1, steps=1, channels_last=channels_last)
+    assert r.status == "ok" and r.channels_last is channels_last and r.images_per_s > 0
+    assert len(seen) == 3  # FLOP count, warm-up step, timed step
+    assert seen == [(channels_last, channels_last)] * 3

@@ -62,6 +62,9 @@ class StepResult:
     img_size: int
     warmup: int
     steps: int
+    channels_last: bool = False
+    compiled: bool = False
+    dp_scope: str = ""       # DP variants: "model" or "features" (see train.wrap_model)
     seconds: Optional[float] = None
     step_ms: Optional[float] = None
     images_per_s: Optional[float] = None
@@ -163,8 +166,13 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
                     warmup: int, steps: int, amp_dtype: Optional[str] = None,
                     num_classes: int = 10, lr: float = 1e-4,
                     peak_tflops: Optional[float] = None, ddp: Optional[DDPGroup] = None,
-                    log_every: int = 20) -> StepResult:
-    """Time ``steps`` training steps of ``variant`` after ``warmup`` uncounted ones."""
+                    log_every: int = 20, channels_last: bool = False, compile: bool = False,
+                    dp_scope: str = "model") -> StepResult:
+    """Time ``steps`` training steps of ``variant`` after ``warmup`` uncounted ones.
+
+    ``channels_last``, ``compile`` and ``dp_scope`` are the training scripts' options of
+    the same names; ``compile`` is not applied to DataParallel variants (as in training).
+    """
     from .train import wrap_model  # the variants' own wrapper (DataParallel / DDP)
 
     parallel, precision = TRAIN_VARIANTS[variant]
@@ -178,19 +186,26 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     else:
         info = DistInfo(device=device)
         devices = torch.cuda.device_count() if parallel == "dp" and device.type == "cuda" else 1
-        note = (f"DataParallel over {devices} GPUs" if parallel == "dp" and device.type == "cuda"
+        note = (f"DataParallel ({dp_scope}) over {devices} GPUs"
+                if parallel == "dp" and device.type == "cuda"
                 else "DataParallel calls the module directly without CUDA" if parallel == "dp"
                 else "")
+    compiled = compile and parallel != "dp"
+    if compile and not compiled:
+        note += "; not compiled (DataParallel)"
     res = StepResult(variant=variant, parallel=parallel, precision=precision,
                      amp_dtype=str(dtype)[6:] if dtype is not None else "",
                      device=device.type, devices=devices, batch_size=batch_size,
                      img_size=img_size, warmup=warmup, steps=steps,
+                     channels_last=channels_last, compiled=compiled,
+                     dp_scope=dp_scope if parallel == "dp" else "",
                      timer="cuda events" if device.type == "cuda" else "perf_counter",
                      peak_mem_kind=("cuda max_memory_allocated" if device.type == "cuda"
                                     else "max RSS (process)"), note=note)
 
     torch.manual_seed(0)
-    model = alexnet(num_classes=num_classes, amp_dtype=dtype).to(device)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = alexnet(num_classes=num_classes, amp_dtype=dtype).to(device, memory_format=fmt)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr,
@@ -200,16 +215,19 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     autocast = autocast_factory(device, dtype)
 
     gen = torch.Generator().manual_seed(0)
-    pool = [(torch.randn(batch_size, 3, img_size, img_size, generator=gen).to(device),
+    pool = [(torch.randn(batch_size, 3, img_size, img_size, generator=gen)
+             .to(device, memory_format=fmt),
              torch.randint(0, num_classes, (batch_size,), generator=gen).to(device))
             for _ in range(min(4, max(steps, 1)))]
     flops = count_step_flops(model, *pool[0], criterion, autocast)
-    model = wrap_model(model, parallel, info)
+    model = wrap_model(model, parallel, info, dp_scope=dp_scope)
+    if compiled:
+        model = torch.compile(model)  # compiled during the warm-up steps
 
     if warmup > 0:
         train_one_epoch(model, [pool[i % len(pool)] for i in range(warmup)], criterion,
                         optimizer, scaler, autocast, info, desc=f"{variant} warm-up",
-                        log_every=log_every)
+                        log_every=log_every, input_format=fmt)
     synchronize(device)
     gc.collect()
     if device.type == "cuda":
@@ -222,7 +240,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         stats = train_one_epoch(model, batches, criterion, optimizer, scaler, autocast, info,
-                                desc=variant, log_every=log_every)
+                                desc=variant, log_every=log_every, input_format=fmt)
         end.record()
         end.synchronize()
         seconds = start.elapsed_time(end) / 1000.0
@@ -230,7 +248,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     else:
         t0 = time.perf_counter()
         stats = train_one_epoch(model, batches, criterion, optimizer, scaler, autocast, info,
-                                desc=variant, log_every=log_every)
+                                desc=variant, log_every=log_every, input_format=fmt)
         seconds = time.perf_counter() - t0
         res.peak_mem_mb = _host_peak_mb()
 
