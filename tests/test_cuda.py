@@ -1,10 +1,11 @@
-"""CUDA-only checks, skipped without a GPU: fp16 autocast on the GPU, DataParallel over the
-visible GPUs, DDP over NCCL with one process.
+"""CUDA-only checks, skipped without a GPU: fp16 autocast on the GPU, training steps that
+never sync the host, DataParallel over the visible GPUs, DDP over NCCL with one process.
 
 Run them on a GPU machine with ``python -m pytest -q -m cuda``.
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -37,6 +38,49 @@ def test_gpu_default_autocast_is_float16():
         assert model(x).dtype == torch.float16  # the forward decorator alone
         model.amp_dtype = None
         assert model(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", None), ("autocast", torch.float16),
+                                             ("grad_scaler", torch.float16),
+                                             ("autocast", torch.bfloat16)])
+def test_training_steps_never_sync_the_host(precision, dtype):
+    """The engine's hot loop with the training script's objects (fused AdamW, GradScaler,
+    channels_last) under CUDA's sync debug mode "error": any per-step host sync (an
+    .item(), a blocking copy, GradScaler reading its inf flag) raises."""
+    from ampkit.distributed import DistInfo
+    from ampkit.engine import train_one_epoch
+    from ampkit.precision import autocast_factory, make_scaler
+
+    if dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bfloat16")
+    dev = torch.device("cuda")
+    cl = torch.channels_last
+    torch.manual_seed(0)
+    model = _model(dtype).train().to(memory_format=cl)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    scaler = make_scaler(dev, enabled=precision == "grad_scaler")
+    batches = [(torch.randn(16, 3, 96, 96, device=dev).contiguous(memory_format=cl),
+                torch.randint(0, 3, (16,), device=dev)) for _ in range(8)]
+    checked = []
+
+    def stream():  # steps 0-1 warm up (lazy state, cuDNN); steps 2-7 run in "error" mode
+        for i, batch in enumerate(batches):
+            if i == 2:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            if i >= 2:
+                checked.append(i)
+            yield batch
+        torch.cuda.set_sync_debug_mode("default")  # before the epoch-end reduction
+
+    try:
+        stats = train_one_epoch(model, stream(), nn.CrossEntropyLoss(), optimizer, scaler,
+                                autocast_factory(dev, dtype), DistInfo(device=dev),
+                                log_every=1000, input_format=cl)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert checked == [2, 3, 4, 5, 6, 7]
+    assert stats.steps == 8 and stats.images == 8 * 16 and math.isfinite(stats.loss)
 
 
 @pytest.mark.parametrize("dp_scope", ["model", "features"])
