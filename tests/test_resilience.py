@@ -384,3 +384,29 @@ def test_bf16_on_gpu_without_bf16_is_an_error(imagefolder_root, tmp_path):
     rc, out, err = run_script("train_autocast", *_tiny(imagefolder_root, tmp_path, "--epochs", "1",
                                                           "--amp_dtype", "bfloat16"))
     assert rc == 2 and "does not support bfloat16" in err
+
+
+@pytest.mark.parametrize("script", ["train_without", "train_DP_GradScaler", "eval_DP"])
+def test_single_process_script_under_torchrun_is_an_error(script, imagefolder_root, tmp_path,
+                                                          capsys, monkeypatch):
+    """`torchrun --nproc_per_node=2 AMP/train_without.py`: two copies would train the same
+    model and write the same files. Rank 0 says so in one line; every rank exits 2."""
+    from ampkit import evaluate, train
+    from ampkit.variants import TRAIN_VARIANTS
+
+    for rank, lines_expected in ((0, 1), (1, 0)):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        with pytest.raises(SystemExit) as exit_info:
+            if script.startswith("eval"):
+                evaluate.main("dp", ["--checkpoint", str(tmp_path / "ckpt"), "--no-cuda"])
+            else:
+                train.main(*TRAIN_VARIANTS[script],
+                           _tiny(imagefolder_root, tmp_path / "ckpt", "--epochs", "1"))
+        assert exit_info.value.code == 2
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(lines) == lines_expected, lines
+        if lines:
+            assert "WORLD_SIZE" in lines[0] and "_DDP" in lines[0], lines
+    assert not (tmp_path / "ckpt").exists()

@@ -89,6 +89,12 @@ def _free_port() -> int:
 
 def setup(ddp: bool, cuda_flag: Optional[bool]) -> DistInfo:
     """Pick the device; for DDP scripts also join (or create) the process group."""
+    if not ddp and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun started N copies of a single-process script: each would train the same
+        # model on the same data and write the same files.
+        raise UserError(f"this script runs in one process (one device or DataParallel), but "
+                        f"torchrun started {os.environ['WORLD_SIZE']} (WORLD_SIZE): run it with "
+                        "python, or use a *_DDP script under torchrun")
     use_cuda = want_cuda(cuda_flag)
     if not ddp:
         return DistInfo(device=torch.device("cuda" if use_cuda else "cpu"))
