@@ -111,7 +111,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(imagefolder_root, tmp_pat
     assert not list(run_dir.glob(".*.tmp")), "stale temp files are cleaned up"
 
 
-def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_path):
+def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     run_dir = ckpt / "train_GradScaler"
     assert run_script("train_GradScaler", *_tiny(imagefolder_root, ckpt, "--epochs", "1"))[0] == 0
@@ -127,6 +127,15 @@ def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_p
     assert "lr 3.00e-04" in out
     assert "scale 1024" in out or "scale 2048" in out
     assert _load(run_dir / "last.pth")["epoch"] == 2
+    assert _epochs_logged(run_dir) == [1, 2]
+
+    # Resuming a finished run (in-process, fast): says so, trains nothing, rewrites nothing.
+    from ampkit.train import main
+    mtime = (run_dir / "last.pth").stat().st_mtime_ns
+    main("single", "grad_scaler", _tiny(imagefolder_root, ckpt, "--epochs", "2", "--resume"))
+    out = capsys.readouterr().out
+    assert "already trained 2 of --epochs 2; nothing to do" in out, out
+    assert "epoch 3" not in out and (run_dir / "last.pth").stat().st_mtime_ns == mtime
     assert _epochs_logged(run_dir) == [1, 2]
 
 

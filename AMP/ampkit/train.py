@@ -143,6 +143,10 @@ def _train(args, parallel, precision, info, variant, amp_dtype, run_dir, tb_dir,
             torch.set_rng_state(state["rng"]["torch"])
             if device.type == "cuda" and state["rng"].get("cuda") is not None:
                 torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+        if start_epoch >= args.epochs:
+            logger.print(f"{variant}: {resume_path} has already trained {start_epoch} of "
+                         f"--epochs {args.epochs}; nothing to do (raise --epochs to train on)")
+            return 0
         logger.print(f"resumed from {resume_path}: epoch {start_epoch + 1}, step {start_step}")
 
     model = wrap_model(model, parallel, info, dp_scope=args.dp_scope)
