@@ -241,41 +241,69 @@ def test_pickled_payload_is_refused_and_never_runs(tmp_path, imagefolder_root):
 
 
 @pytest.fixture(scope="module")
-def trained_ckpt(imagefolder_root, tmp_path_factory) -> Path:
-    ckpt = tmp_path_factory.mktemp("trained")
-    rc, out, err = run_script("train_without", *_tiny(imagefolder_root, ckpt, "--epochs", "1"))
-    assert rc == 0, err
-    return ckpt / "train_without" / "last.pth"
+def ckpt_3class(tmp_path_factory) -> Path:
+    """A good checkpoint (3-class AlexNet weights), written in-process as training writes it."""
+    from alexnet import alexnet
+    from ampkit.checkpoint import atomic_save
+
+    path = tmp_path_factory.mktemp("ckpt3") / "last.pth"
+    torch.manual_seed(0)
+    atomic_save({"model": alexnet(num_classes=3).state_dict(), "epoch": 1}, path)
+    return path
 
 
-def _corrupt_files(trained: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
-    data = trained.read_bytes()
-    truncated = tmp / "truncated.pth"
-    truncated.write_bytes(data[: len(data) // 2])
-    garbage = tmp / "garbage.pth"
-    garbage.write_bytes(os.urandom(4096))
-    notckpt = tmp / "list.pth"
-    torch.save([1, 2, 3], notckpt)
-    return {"truncated": (truncated, "truncated or corrupt"),
-            "garbage": (garbage, "not a PyTorch checkpoint|truncated or corrupt"),
-            "not a checkpoint": (notckpt, "not a checkpoint")}
+CORRUPT = {"truncated": "truncated or corrupt",
+           "random bytes": "not a PyTorch checkpoint|truncated or corrupt",
+           "a text file": r"not a PyTorch checkpoint \(Unsupported operand 123\)",  # '{'
+           "not a checkpoint": "not a checkpoint \\(expected a dict"}
 
 
-def test_corrupt_or_foreign_checkpoints_get_one_line_errors(trained_ckpt, tmp_path,
-                                                            imagefolder_root, cifar_root):
+def _corrupt_file(name: str, good: Path, tmp: Path) -> Path:
+    path = tmp / f"{name.replace(' ', '_')}.pth"
+    if name == "truncated":
+        data = good.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif name == "random bytes":
+        path.write_bytes(os.urandom(4096))
+    elif name == "a text file":  # e.g. --checkpoint pointing at log.jsonl
+        path.write_text('{"epoch": 1, "train_loss": 2.3}\n')
+    else:
+        torch.save([1, 2, 3], path)
+    return path
+
+
+@pytest.mark.parametrize("name", list(CORRUPT))
+def test_corrupt_or_foreign_checkpoint_is_one_line(name, ckpt_3class, tmp_path):
+    """In-process (fast): ampkit.checkpoint.load names the file and the cause in one line."""
     import re
-    for name, (path, expected) in _corrupt_files(trained_ckpt, tmp_path).items():
-        rc, out, err = run_script("eval_without", "--checkpoint", str(path), "--dataset",
-                                  "ImageFolder", "--dataset_root", str(imagefolder_root))
-        assert rc == 2, name
-        assert "Traceback" not in err, name
-        lines = [ln for ln in err.splitlines() if ln.strip()]
-        assert len(lines) == 1 and str(path) in lines[0] and re.search(expected, lines[0]), lines
-    # A 3-class checkpoint on the 10-class CIFAR-10 test split.
-    rc, out, err = run_script("eval_without", "--checkpoint", str(trained_ckpt), "--dataset",
-                              "CIFAR10", "--dataset_root", str(cifar_root))
+
+    from ampkit import checkpoint as ckpt_io
+    from ampkit.errors import UserError
+
+    path = _corrupt_file(name, ckpt_3class, tmp_path)
+    with pytest.raises(UserError) as e:
+        ckpt_io.load(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(path)) and re.search(CORRUPT[name], msg), msg
+    assert "In PyTorch 2.6" not in msg  # torch's weights_only advice is not the cause
+
+
+def test_corrupt_checkpoint_as_a_user_sees_it(ckpt_3class, tmp_path, imagefolder_root, cifar_root,
+                                              capsys):
+    path = _corrupt_file("truncated", ckpt_3class, tmp_path)
+    rc, out, err = run_script("eval_without", "--checkpoint", str(path), "--dataset",
+                              "ImageFolder", "--dataset_root", str(imagefolder_root))
     assert rc == 2 and "Traceback" not in err
-    assert "checkpoint is for 3 classes, but the data set has 10" in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and str(path) in lines[0] and "truncated or corrupt" in lines[0], lines
+    # A 3-class checkpoint on the 10-class CIFAR-10 test split (in-process).
+    from ampkit.evaluate import main
+    with pytest.raises(SystemExit) as exit_info:
+        main("single", ["--checkpoint", str(ckpt_3class), "--dataset", "CIFAR10",
+                        "--dataset_root", str(cifar_root), "--img_size", "64", "--no-cuda"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "checkpoint is for 3 classes, but the data set has 10" in err and err.count("\n") == 1
 
 
 def test_eval_with_folder_without_checkpoint(tmp_path):

@@ -84,11 +84,13 @@ def load(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:
     except pickle.UnpicklingError as e:
         # "Unsupported global": the file names a Python callable/class, refused unrun.
         # Anything else (bad opcode, garbage bytes) means the file is not a checkpoint.
-        detail = str(e).split("WeightsUnpickler error:", 1)[-1].lower()
-        if "global" in detail:
+        # torch's message opens with advice about weights_only; the cause follows the marker.
+        detail = str(e).split("WeightsUnpickler error:", 1)[-1]
+        if "global" in detail.lower():
             raise UserError(f"{path}: refused: it holds pickled Python objects, which "
                             "weights_only loading does not run (not a plain checkpoint)") from None
-        raise UserError(f"{path}: not a PyTorch checkpoint ({_first_line(e)})") from None
+        reason = detail.strip().splitlines()[0][:200] if detail.strip() else _first_line(e)
+        raise UserError(f"{path}: not a PyTorch checkpoint ({reason})") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
         raise UserError(f"{path}: truncated or corrupt checkpoint ({_first_line(e)})") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
