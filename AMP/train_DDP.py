@@ -2,6 +2,11 @@
 
     torchrun --nproc_per_node=2 AMP/train_DDP.py --epochs 20
 
+Several nodes (the same command on every node; HOST_OF_NODE0: the first node's address):
+
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST_OF_NODE0:29400 --rdzv-id=alexnet-amp AMP/train_DDP.py --epochs 20
+
 Under torchrun, --batch_size is per process. Plain `python AMP/train_DDP.py` runs one
 process (world size 1).
 
