@@ -3,19 +3,20 @@
     python AMP/benchmark.py                                    # all nine variants, 227px, batch 64
     python AMP/benchmark.py --variants train_without,train_autocast --steps 50 --warmup 10
     python AMP/benchmark.py --peak_tflops 165 --json bench.json  # utilisation against a peak
+    python AMP/benchmark.py --variants none --pipeline all --repeat 3   # input paths only
 
-Model: the real training loop (ampkit.engine.train_one_epoch) over --steps synthetic
-batches already on the device, after --warmup steps that are not counted; timed with
-CUDA events on a GPU (perf_counter on the CPU), the device synchronised before the clock
-is read. Reports step time, images/s, peak memory (torch.cuda.max_memory_allocated, or
-the process's max RSS on the CPU), FLOPs per step counted by torch.utils.flop_counter and,
-with --peak_tflops (per device), the utilisation. DDP variants run as a one-process group
+Model: each variant's own build() (imported from its training script: its wrapper,
+precision objects and step) run by the training loop (ampkit.engine.train_one_epoch)
+over --steps synthetic batches already on the device, after --warmup steps that are not
+counted; timed with CUDA events on a GPU (perf_counter on the CPU). Reports step time,
+images/s, peak memory, FLOPs per step (torch.utils.flop_counter) and, with
+--peak_tflops (per device), the utilisation. DDP variants run as a one-process group
 (the DDP machinery on one device; multi-process runs are what compare.py measures).
 
-Input pipeline: images/s delivered to the device at --img_size by the classic DataLoader
-path (ampkit.data) and by the fast device path (ampkit.fastdata), each timed by
-ampkit.pipeline_bench.measure_input_pipeline (as bench/input_pipeline.py does) on CIFAR-10
-when --dataset_root holds it, else on generated images in CIFAR-10's format.
+Input pipeline: images/s delivered to the device at --img_size by the article's PIL
+path, the classic DataLoader path (ampkit.data) and the fast device path
+(ampkit.fastdata), on CIFAR-10 when --dataset_root holds it, else on generated images
+in CIFAR-10's format. All the measuring code is in ampkit/measure.py.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from typing import List, Optional
 from ampkit.config import AMP_DTYPES, DATA_DIR, MIN_IMG_SIZE, Parser
 from ampkit.variants import TRAIN_VARIANTS
 
-PIPELINES = {"both": ["classic", "fast"], "classic": ["classic"], "fast": ["fast"], "none": []}
+PIPELINES = {"all": ["article", "classic", "fast"], "both": ["classic", "fast"],
+             "article": ["article"], "classic": ["classic"], "fast": ["fast"], "none": []}
 
 
 def build_parser() -> Parser:
@@ -60,7 +62,8 @@ def build_parser() -> Parser:
     p.add_argument("--dp_scope", choices=("model", "features"), default="model",
                    help="DataParallel wraps the whole model or only model.features (as in training)")
     p.add_argument("--pipeline", choices=list(PIPELINES), default="both",
-                   help="which input paths to measure")
+                   help="input paths to measure: 'all' adds the article's PIL path to the "
+                        "classic and fast ones ('both')")
     p.add_argument("--dataset_root", type=Path, default=DATA_DIR,
                    help="input pipeline data: CIFAR-10 (cifar-10-batches-py/) if present here, "
                         "else batch_size x (warm-up + timed batches + 1) generated images "
@@ -69,6 +72,11 @@ def build_parser() -> Parser:
                    help="DataLoader workers of the classic path (default: 4 with CUDA, 0 on CPU)")
     p.add_argument("--pipeline_batches", type=int, default=10,
                    help="timed batches of the input pipeline (after --warmup batches, at most 2)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure each input path this many times (interleaved), keep the best: "
+                        "steadier figures on a shared machine")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p
 
@@ -87,7 +95,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"unknown variant(s) {', '.join(unknown)}; choose from "
                     f"{', '.join(TRAIN_VARIANTS)} or 'none'")
     args.variant_list = names
-    for flag in ("batch_size", "steps", "num_classes", "pipeline_batches"):
+    for flag in ("batch_size", "steps", "num_classes", "pipeline_batches", "repeat"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag} must be a positive integer")
     if args.warmup < 0:
@@ -96,14 +104,55 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--img_size must be at least {MIN_IMG_SIZE} for AlexNet")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error("--peak_tflops must be positive")
+    if args.threads is not None and args.threads <= 0:
+        p.error("--threads must be a positive integer")
     return args
+
+
+def measure_steps(args: argparse.Namespace, device) -> list:
+    """One StepResult per variant; a variant that fails is reported and the others run."""
+    import gc
+
+    import torch
+
+    from ampkit import measure
+    from ampkit.errors import UserError
+
+    results = []
+    ddp = measure.DDPGroup(device.type == "cuda")
+    try:
+        for variant in args.variant_list:
+            try:
+                r = measure.measure_variant(
+                    variant, device=device, batch_size=args.batch_size, img_size=args.img_size,
+                    warmup=args.warmup, steps=args.steps, amp_dtype=args.amp_dtype,
+                    num_classes=args.num_classes, lr=args.lr, peak_tflops=args.peak_tflops,
+                    ddp=ddp, channels_last=args.channels_last, compile=args.compile,
+                    dp_scope=args.dp_scope)
+                print(f"  {variant}: {r.step_ms:.1f} ms/step, {r.images_per_s:.1f} images/s",
+                      flush=True)
+            except (UserError, RuntimeError, ValueError) as e:
+                par, prec = TRAIN_VARIANTS[variant]
+                r = measure.StepResult(
+                    variant=variant, parallel=par, precision=prec, amp_dtype="",
+                    device=device.type, devices=1, batch_size=args.batch_size,
+                    img_size=args.img_size, warmup=args.warmup, steps=args.steps,
+                    status="failed", reason=(str(e).strip().splitlines() or [type(e).__name__])[0])
+                print(f"  {variant}: FAILED: {r.reason}", flush=True)
+            results.append(r)
+            gc.collect()  # this variant's model and optimizer, before the next one's
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        ddp.close()
+    return results
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from ampkit import bench
+    from ampkit import measure
     from ampkit.data import default_workers
     from ampkit.distributed import want_cuda
     from ampkit.errors import UserError
@@ -114,65 +163,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UserError as e:
         print(f"benchmark.py: error: {e}", file=sys.stderr)
         return 2
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"CPU ({torch.get_num_threads()} torch threads)")
     extras = [name for name, on in (("channels_last", args.channels_last),
                                     ("torch.compile", args.compile)) if on]
     print(f"benchmark.py: {len(args.variant_list)} variant(s) on {where}, batch {args.batch_size} "
-          f"at {args.img_size}px, {args.warmup} warm-up + {args.steps} timed steps"
-          + "".join(f", {e}" for e in extras), flush=True)
+          f"at {args.img_size}px, {args.warmup} warm-up + {args.steps} timed steps, torch "
+          f"{torch.__version__}" + "".join(f", {e}" for e in extras), flush=True)
     if device.type == "cpu" and args.amp_dtype != "float16" and cpu_has_fast_bf16() is False \
             and any(TRAIN_VARIANTS[v][1] != "fp32" for v in args.variant_list):
         print("warning: this CPU has no native bfloat16 (AVX512-BF16/AMX): the autocast "
               "variants will be several times slower than fp32 here", file=sys.stderr)
 
-    steps: List[bench.StepResult] = []
-    ddp = bench.DDPGroup(device.type == "cuda")
-    failed = 0
-    try:
-        for variant in args.variant_list:
-            try:
-                r = bench.measure_variant(
-                    variant, device=device, batch_size=args.batch_size, img_size=args.img_size,
-                    warmup=args.warmup, steps=args.steps, amp_dtype=args.amp_dtype,
-                    num_classes=args.num_classes, lr=args.lr, peak_tflops=args.peak_tflops,
-                    ddp=ddp, channels_last=args.channels_last, compile=args.compile,
-                    dp_scope=args.dp_scope)
-            except (UserError, RuntimeError, ValueError) as e:
-                par, prec = TRAIN_VARIANTS[variant]
-                r = bench.StepResult(variant=variant, parallel=par, precision=prec, amp_dtype="",
-                                     device=device.type, devices=1, batch_size=args.batch_size,
-                                     img_size=args.img_size, warmup=args.warmup,
-                                     steps=args.steps, status="failed",
-                                     reason=(str(e).strip().splitlines() or [type(e).__name__])[0])
-                failed += 1
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            steps.append(r)
-            if r.status == "ok":
-                print(f"  {variant}: {r.step_ms:.1f} ms/step, {r.images_per_s:.1f} images/s",
-                      flush=True)
-            else:
-                print(f"  {variant}: FAILED: {r.reason}", flush=True)
-    finally:
-        ddp.close()
-
-    pipes = bench.measure_pipelines(
+    steps = measure_steps(args, device)
+    pipes = measure.measure_pipelines(
         PIPELINES[args.pipeline], args.dataset_root, args.img_size, args.batch_size,
         default_workers(args.num_workers, device), device, warmup=min(args.warmup, 2),
-        batches=args.pipeline_batches)
-    failed += sum(p.status != "ok" for p in pipes)
-
+        batches=args.pipeline_batches, repeat=args.repeat, channels_last=args.channels_last)
     if steps:
         print("\nTraining step (synthetic batches on the device; warm-up excluded; "
               f"timer: {'CUDA events' if device.type == 'cuda' else 'perf_counter'}):")
-        print(bench.step_table(steps))
+        print(measure.step_table(steps))
         if args.peak_tflops is None:
             print("(util: give --peak_tflops, one device's peak at the variant's precision)")
     if pipes:
         print(f"\nInput pipeline alone (images/s delivered to {device.type} at {args.img_size}px; "
-              f"{args.pipeline_batches} timed batches after "
+              f"best of {args.repeat}, {args.pipeline_batches} timed batches after "
               f"{min(args.warmup, 2)} warm-up):")
-        print(bench.pipeline_table(pipes))
+        print(measure.pipeline_table(pipes))
     if args.json is not None:
         out = {"device": where, "torch": torch.__version__, "args": {
                    k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -180,7 +200,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
         print(f"\nwritten: {args.json}")
-    return 1 if failed else 0
+    return 1 if any(r.status != "ok" for r in [*steps, *pipes]) else 0
 
 
 if __name__ == "__main__":

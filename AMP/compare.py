@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ampkit import report
+from ampkit import report, runner
 from ampkit.config import AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser, train_parser
-from ampkit.report import FAILED, NOT_RUN, OK, VariantResult
+from ampkit.report import FAILED, INTERRUPTED, NOT_RUN, OK, VariantResult
 from ampkit.variants import TRAIN_VARIANTS, eval_name
 
 AMP_DIR = Path(__file__).resolve().parent
@@ -222,7 +222,7 @@ class Comparison:
         print(f"\n==> [{index}/{count}] {variant} ({parallel}, {precision}"
               f"{', ' + r.amp_dtype if r.amp_dtype else ''}) on {where}", flush=True)
         print("    " + shlex.join(cmd), flush=True)
-        run = report.run_child(cmd, self.log_dir / f"{variant}.train.log", env=self.env)
+        run = runner.run_child(cmd, self.log_dir / f"{variant}.train.log", env=self.env)
         r.wall_time_s = run.wall_s
         summary = report.summarise_log(report.read_log(run_dir / "log.jsonl"))
         r.epochs = summary["epochs"]
@@ -234,10 +234,10 @@ class Comparison:
         elif run.max_rss_mb is not None:
             r.peak_mem_mb, r.peak_mem_source = run.max_rss_mb, "rss"
         if run.interrupted:
-            r.status, r.reason = "interrupted", "interrupted by the user"
+            r.status, r.reason = INTERRUPTED, "interrupted by the user"
             return r
         if run.returncode != 0:
-            r.status, r.reason = FAILED, report.failure_reason(run.stderr, run.returncode)
+            r.status, r.reason = FAILED, runner.failure_reason(run.stderr, run.returncode)
             return r
         last = run_dir / "last.pth"
         if not last.is_file() or r.epochs is None:
@@ -249,14 +249,14 @@ class Comparison:
         cmd = self.eval_cmd(variant, last)
         print(f"==> [{index}/{count}] {variant}: {eval_name(parallel)} on its last.pth", flush=True)
         print("    " + shlex.join(cmd), flush=True)
-        ev = report.run_child(cmd, self.log_dir / f"{variant}.eval.log", env=self.env)
+        ev = runner.run_child(cmd, self.log_dir / f"{variant}.eval.log", env=self.env)
         if ev.interrupted:
-            r.status, r.reason = "interrupted", "interrupted by the user (during eval)"
+            r.status, r.reason = INTERRUPTED, "interrupted by the user (during eval)"
             return r
         parsed = report.parse_eval_output(ev.stdout) if ev.returncode == 0 else None
         if parsed is None:
             r.status = FAILED
-            r.reason = "eval: " + (report.failure_reason(ev.stderr, ev.returncode)
+            r.reason = "eval: " + (runner.failure_reason(ev.stderr, ev.returncode)
                                    if ev.returncode != 0 else "no 'correct/total = acc' line")
             return r
         r.test_correct, r.test_total = parsed
@@ -325,7 +325,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             continue
         r = comp.run_variant(variant, i, len(args.variant_list))
         results.append(r)
-        if r.status == "interrupted":
+        if r.status == INTERRUPTED:
             interrupted = True
         elif r.status != OK:
             print(f"==> {variant} FAILED: {r.reason}", flush=True)

@@ -1,9 +1,23 @@
-"""Evaluate an AlexNet checkpoint with a single device: top-1 accuracy on the test split.
+"""Evaluate an AlexNet checkpoint on one device: top-1 accuracy on the test split.
 
-    python AMP/eval_without.py                      # the newest checkpoint under checkpoint/
-    python AMP/eval_without.py --checkpoint checkpoint/train_DP_autocast/best.pth
+    python AMP/eval_without.py                                   # the newest checkpoint under checkpoint/
+    python AMP/eval_without.py --checkpoint checkpoint/train_DP_autocast/best.pth --autocast
+
+Every variant's checkpoint loads here (weights are saved without DataParallel's or DDP's
+`module.` prefix); the data set, its root and the image size default to the ones the
+checkpoint was trained with. `--help` lists the flags.
 """
-from ampkit.evaluate import main
+from ampkit.errors import report_user_errors
+from ampkit.evaluate import Evaluation
+
+
+@report_user_errors
+def main(argv=None):
+    ev = Evaluation("eval_without", argv)  # flags, checkpoint, test split, model on the device
+    model = ev.model
+    counts = ev.count_correct(model, range(ev.test_size))  # tensor([correct, seen])
+    ev.report(*counts.tolist())
+
 
 if __name__ == "__main__":
-    main(parallel="single")
+    main()

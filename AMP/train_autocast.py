@@ -1,10 +1,46 @@
-"""Train AlexNet with a single device under autocast.
+"""Train AlexNet on one device under autocast: mixed precision without loss scaling.
 
     python AMP/train_autocast.py --epochs 20
+    python AMP/train_autocast.py --amp_dtype bfloat16      # GPUs from Ampere on, and the CPU
 
-See --help for the flags; the loop itself is ampkit.engine.train_one_epoch.
+autocast runs each operator in the precision that suits it: convolutions and matmuls in
+float16 (the default on CUDA) or bfloat16 (the default on the CPU); reductions, softmax and
+the loss in float32. The weights, their gradients and the optimizer stay in float32, and
+backward() needs no autocast: each operator's gradient runs in the dtype of its forward.
+
+Pitfall: float16's range is narrow (its smallest normal number is 6e-5), so small gradients
+can underflow to zero and training quietly stalls; GradScaler prevents that
+(train_GradScaler.py). bfloat16 has float32's range and needs no scaler.
+The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
+`python AMP/train_autocast.py --help` lists the flags.
 """
-from ampkit.train import main
+import torch
+
+from ampkit.engine import Parts, Variant
+from ampkit.errors import report_user_errors
+from ampkit.train import Trainer
+
+
+def build(parts: Parts) -> Variant:
+    criterion, optimizer = parts.criterion, parts.optimizer
+    model = parts.model
+    autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
+
+    def train_step(images, targets):
+        with autocast:  # the forward pass and the loss; backward follows the forward's dtypes
+            loss = criterion(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return Variant(model, train_step, autocast)
+
+
+@report_user_errors
+def main(argv=None):
+    Trainer("train_autocast", argv).fit(build)
+
 
 if __name__ == "__main__":
-    main(parallel="single", precision="autocast")
+    main()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: the numbers issue 4 asks for, then the CUDA tests.
+# One call on a GPU machine: the GPU figures of the README, then the CUDA tests.
 #   bash bench/gpu_check.sh              # on the GPU (device tool: timeout_s 600)
 #   bash bench/gpu_check.sh --dry-run    # the same steps on the CPU at toy sizes (~2 min):
 #                                        # checks the script itself before GPU time is spent
@@ -20,10 +20,10 @@ BUDGET=${BUDGET:-500}
 export PYTHONUNBUFFERED=1
 if [ "${1:-}" = "--dry-run" ]; then
   DEV=--no-cuda; PDEV=cpu; IMG=64; BS=8; STEPS="--steps 2 --warmup 1"; NTRAIN=64; NTEST=16
-  PIPE_N=64; WORKERS=1; PEAK=1
+  PIPE_B=2; WORKERS=1; PEAK=1
 else
   DEV=--cuda; PDEV=cuda; IMG=227; BS=256; STEPS="--steps 30 --warmup 10"; NTRAIN=50000
-  NTEST=10000; PIPE_N=8192; WORKERS=8; PEAK=989  # H200 dense bf16/fp16 TFLOP/s (datasheet)
+  NTEST=10000; PIPE_B=30; WORKERS=8; PEAK=989  # H200 dense bf16/fp16 TFLOP/s (datasheet)
 fi
 log() { echo "== [${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
 # run NAME MAX_SECONDS CMD...: stdout+stderr to $OUT/NAME.txt, timeout min(MAX, time left).
@@ -71,7 +71,7 @@ set -- $BEST; VARIANT=$1; shift; BEST_FLAGS="$*"
 python3 - "$NTRAIN" "$NTEST" <<'PY'
 import sys; sys.path.insert(0, "AMP")
 from pathlib import Path
-from ampkit.pipeline_bench import write_cifar10
+from ampkit.measure import write_cifar10
 write_cifar10(Path("/tmp/gpu_check_cifar"), int(sys.argv[1]), int(sys.argv[2]), learnable=True)
 PY
 run real_run 150 python3 AMP/$VARIANT.py $DEV $BEST_FLAGS --dataset CIFAR10 --dataset_root /tmp/gpu_check_cifar \
@@ -79,7 +79,7 @@ run real_run 150 python3 AMP/$VARIANT.py $DEV $BEST_FLAGS --dataset CIFAR10 --da
 keep "$OUT/real_run.txt" 6
 cp /tmp/gpu_check_ckpt/$VARIANT/log.jsonl "$OUT/real_run.log.jsonl" 2>/dev/null
 
-run pipeline 60 python3 bench/input_pipeline.py --device $PDEV --img_size $IMG --num_workers $WORKERS --n $PIPE_N
+run pipeline 60 python3 AMP/benchmark.py $DEV --variants none --pipeline all --img_size $IMG --num_workers $WORKERS --batch_size $BS --pipeline_batches $PIPE_B
 keep "$OUT/pipeline.txt" 6
 
 run pytest_cuda 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests

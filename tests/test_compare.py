@@ -1,4 +1,4 @@
-"""Issue 3: compare.py (the side-by-side table of the variants) and benchmark.py."""
+"""compare.py (the side-by-side table of the variants) and benchmark.py."""
 from __future__ import annotations
 
 import csv
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import IF_VAL_SIZE, event_files, parse_accuracy, run_script
 
-from ampkit import report  # AMP/ is on sys.path (conftest)
+from ampkit import report, runner  # AMP/ is on sys.path (conftest)
 
 OK_VARIANTS = ("train_without", "train_DDP")
 FAILING = "train_GradScaler"  # forced to fail with an unknown flag
@@ -37,11 +37,11 @@ def test_summarise_log_sums_training_time_and_takes_steady_throughput():
 
 def test_failure_reason_finds_the_one_line():
     argparse_err = "epoch 1/1:  50%|#####     | 1/2\rtrain_DP.py: error: unrecognized arguments: --x (see --help)\n"
-    assert report.failure_reason(argparse_err, 2) == \
+    assert runner.failure_reason(argparse_err, 2) == \
         "train_DP.py: error: unrecognized arguments: --x (see --help)"
     traceback = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
                  "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB\n")
-    assert report.failure_reason(traceback, 1).startswith("RuntimeError: CUDA out of memory")
+    assert runner.failure_reason(traceback, 1).startswith("RuntimeError: CUDA out of memory")
     torchrun = ("train_DDP.py: error: --epochs must be a positive integer, got 0\n"
                 "E1130 08:00:00.000 123 torch/distributed/elastic/multiprocessing/api.py:900] "
                 "failed (exitcode: 2) local_rank: 0 (pid: 5) of binary: python\n"
@@ -53,9 +53,9 @@ def test_failure_reason_finds_the_one_line():
                 "  error_file: <N/A>\n  traceback : To enable traceback see: "
                 "https://pytorch.org/docs/stable/elastic/errors.html\n"
                 "============================================================\n")
-    assert report.failure_reason(torchrun, 1) == \
+    assert runner.failure_reason(torchrun, 1) == \
         "train_DDP.py: error: --epochs must be a positive integer, got 0"
-    assert "signal 9" in report.failure_reason("epoch 1/1:  10%|#  | 1/10\r", -9)
+    assert "signal 9" in runner.failure_reason("epoch 1/1:  10%|#  | 1/10\r", -9)
 
 
 def test_parse_eval_output():
@@ -181,7 +181,7 @@ def test_benchmark_prints_positive_throughput_for_model_and_input_pipeline(tmp_p
         assert s["timer"] == "perf_counter" and s["steps"] == 2 and s["warmup"] == 1
     # the same model and batch: the same FLOPs whatever the precision
     assert data["steps"][0]["gflop_per_step"] == pytest.approx(data["steps"][1]["gflop_per_step"])
-    # both input paths, timed by pipeline_bench.measure_input_pipeline on the same data
+    # both input paths, timed by measure.measure_input_pipeline on the same data
     pipes = {p["path"]: p for p in data["pipeline"]}
     assert sorted(pipes) == ["classic", "fast"]
     for kind, p in pipes.items():
@@ -198,7 +198,7 @@ def test_benchmark_channels_last_reaches_the_model_and_its_inputs(monkeypatch, c
     import torch
 
     from alexnet import alexnet
-    from ampkit import bench
+    from ampkit import measure
 
     seen = []
 
@@ -209,8 +209,8 @@ def test_benchmark_channels_last_reaches_the_model_and_its_inputs(monkeypatch, c
             (inp[0].is_contiguous(memory_format=cl), mod.weight.is_contiguous(memory_format=cl))))
         return model
 
-    monkeypatch.setattr(bench, "alexnet", hooked)
-    r = bench.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
+    monkeypatch.setattr(measure, "alexnet", hooked)
+    r = measure.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
                               img_size=64, warmup=1, steps=1, channels_last=channels_last)
     assert r.status == "ok" and r.channels_last is channels_last and r.images_per_s > 0
     assert len(seen) == 3  # FLOP count, warm-up step, timed step

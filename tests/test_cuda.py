@@ -24,8 +24,20 @@ def _model(dtype):
     return alexnet(num_classes=3, amp_dtype=dtype).cuda().eval()
 
 
+def _build(variant, model, amp_dtype=None, dp_scope="model"):
+    """The variant's objects as its training script makes them, with the script's optimizer."""
+    import importlib
+
+    from ampkit.engine import Parts
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    parts = Parts(torch.device("cuda", torch.cuda.current_device()), model, nn.CrossEntropyLoss(),
+                  optimizer, amp_dtype, dp_scope)
+    return importlib.import_module(variant).build(parts)
+
+
 def test_gpu_default_autocast_is_float16():
-    from ampkit.precision import autocast_factory, resolve_amp_dtype
+    from ampkit.precision import resolve_amp_dtype
 
     dev = torch.device("cuda", torch.cuda.current_device())
     dtype = resolve_amp_dtype(None, dev)
@@ -33,32 +45,31 @@ def test_gpu_default_autocast_is_float16():
     model = _model(dtype)
     x = torch.randn(4, 3, 64, 64, device=dev)
     with torch.no_grad():
-        with autocast_factory(dev, dtype)():
+        with torch.autocast("cuda", dtype=dtype):
             assert model(x).dtype == torch.float16
         assert model(x).dtype == torch.float16  # the forward decorator alone
         model.amp_dtype = None
         assert model(x).dtype == torch.float32
 
 
-@pytest.mark.parametrize("precision,dtype", [("fp32", None), ("autocast", torch.float16),
-                                             ("grad_scaler", torch.float16),
-                                             ("autocast", torch.bfloat16)])
-def test_training_steps_never_sync_the_host(precision, dtype):
-    """The engine's hot loop with the training script's objects (fused AdamW, GradScaler,
+@pytest.mark.parametrize("variant,dtype", [("train_without", None),
+                                           ("train_autocast", "float16"),
+                                           ("train_GradScaler", "float16"),
+                                           ("train_autocast", "bfloat16")])
+def test_training_steps_never_sync_the_host(variant, dtype):
+    """The engine's hot loop with the training script's own step (fused AdamW, GradScaler,
     channels_last) under CUDA's sync debug mode "error": any per-step host sync (an
     .item(), a blocking copy, GradScaler reading its inf flag) raises."""
     from ampkit.distributed import DistInfo
     from ampkit.engine import train_one_epoch
-    from ampkit.precision import autocast_factory, make_scaler
+    from ampkit.precision import SkippedSteps
 
-    if dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+    if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bfloat16")
     dev = torch.device("cuda")
     cl = torch.channels_last
     torch.manual_seed(0)
-    model = _model(dtype).train().to(memory_format=cl)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    scaler = make_scaler(dev, enabled=precision == "grad_scaler")
+    v = _build(variant, _model(None).train().to(memory_format=cl), amp_dtype=dtype)
     batches = [(torch.randn(16, 3, 96, 96, device=dev).contiguous(memory_format=cl),
                 torch.randint(0, 3, (16,), device=dev)) for _ in range(8)]
     checked = []
@@ -74,9 +85,8 @@ def test_training_steps_never_sync_the_host(precision, dtype):
         torch.cuda.set_sync_debug_mode("default")  # before the epoch-end reduction
 
     try:
-        stats = train_one_epoch(model, stream(), nn.CrossEntropyLoss(), optimizer, scaler,
-                                autocast_factory(dev, dtype), DistInfo(device=dev),
-                                log_every=1000, input_format=cl)
+        stats = train_one_epoch(v.step, stream(), DistInfo(device=dev), log_every=1000,
+                                skipped=SkippedSteps(v.scaler, dev), input_format=cl)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert checked == [2, 3, 4, 5, 6, 7]
@@ -87,12 +97,9 @@ def test_training_steps_never_sync_the_host(precision, dtype):
 def test_dataparallel_over_visible_gpus_keeps_the_amp_dtype(dp_scope):
     """Replicas run in worker threads that get autocast's enabled flag but not its dtype:
     bf16 (where supported) must still be bf16 on every GPU, with either --dp_scope."""
-    from ampkit.distributed import DistInfo
-    from ampkit.train import wrap_model
-
     n = torch.cuda.device_count()
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    model = _model(dtype)
+    model = _model(None)
     seen, lock = [], threading.Lock()
 
     def hook(module, inputs, output):
@@ -102,7 +109,7 @@ def test_dataparallel_over_visible_gpus_keeps_the_amp_dtype(dp_scope):
     # conv1 runs in the replicas with either scope; fc2 too with the whole model replicated.
     model.features[0].register_forward_hook(hook)
     model.classifier[4].register_forward_hook(hook)
-    dp = wrap_model(model, "dp", DistInfo(device=torch.device("cuda")), dp_scope=dp_scope)
+    dp = _build("train_DP_autocast", model, str(dtype)[6:], dp_scope).model
     wrapper = dp if dp_scope == "model" else dp.features
     assert wrapper.device_ids == list(range(n))
     x = torch.randn(2 * n, 3, 64, 64, device="cuda")

@@ -13,21 +13,19 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torchvision.transforms.functional as TF
 from torch import nn
 
-from ampkit.data import (STD, build_datasets, build_transform, eval_loader,
-                         train_loader)
+from ampkit.data import eval_loader, train_loader
+from ampkit.datasets import STD, build_datasets, build_transform
 from ampkit.distributed import DistInfo
 from ampkit.errors import UserError
 from ampkit.fastdata import DeviceLoader, fast_loaders, fits_in_memory, load_uint8
-from ampkit.pipeline_bench import measure_input_pipeline, write_cifar10
+from ampkit.measure import measure_input_pipeline, write_cifar10
 
 CPU = torch.device("cpu")
 # One uint8 step after normalisation (the largest for the smallest std): PIL rounds its
@@ -221,8 +219,9 @@ def torch_threads(n):
 
 
 def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
+    import train_without
     from alexnet import alexnet
-    from ampkit.engine import evaluate, train_one_epoch
+    from ampkit.engine import Parts, count_correct, train_one_epoch
 
     torch.manual_seed(0)  # same initial weights, dropout and (classic) flip streams
     model = alexnet(num_classes=num_classes)
@@ -232,14 +231,13 @@ def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
     for i in (1, 4):
         model.classifier[i].requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    v = train_without.build(Parts(CPU, model, nn.CrossEntropyLoss(), optimizer))
     losses = []
     for epoch in range(epochs):
         train_dl.sampler.set_epoch(epoch)
-        stats = train_one_epoch(model, train_dl, nn.CrossEntropyLoss(), optimizer, scaler,
-                                contextlib.nullcontext, info())
-        losses.append(stats.loss)
-    correct, total = evaluate(model, val_dl, contextlib.nullcontext, info())
+        model.train()
+        losses.append(train_one_epoch(v.step, train_dl, info()).loss)
+    correct, total = count_correct(model, val_dl, info()).tolist()
     return correct / total, losses
 
 
@@ -270,16 +268,19 @@ def test_measure_input_pipeline_runs(tmp_path):
         measure_input_pipeline("nope")
 
 
-def test_bench_cli(capsys):
-    path = Path(__file__).resolve().parents[1] / "bench" / "input_pipeline.py"
-    spec = importlib.util.spec_from_file_location("bench_input_pipeline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(["--n", "64", "--img_size", "64", "--batch_size", "16", "--max_batches", "1",
-                 "--device", "cpu"])
+def test_benchmark_cli_input_paths_only(capsys, tmp_path):
+    """`benchmark.py --variants none --pipeline all`: the three input paths, no model."""
+    import benchmark
+
+    code = benchmark.main(["--variants", "none", "--pipeline", "all", "--no-cuda", "--img_size",
+                           "64", "--batch_size", "16", "--pipeline_batches", "1", "--warmup", "1",
+                           "--repeat", "2", "--dataset_root", str(tmp_path / "none")])
     out = capsys.readouterr().out
-    for word in ("article", "classic", "fast", "images/s", "fast / article"):
-        assert word in out, out
+    assert code == 0, out
+    assert "Training step" not in out and "best of 2" in out, out
+    rates = {ln.split()[0]: float(ln.split()[-1]) for ln in out.splitlines()
+             if ln.split() and ln.split()[0] in ("article", "classic", "fast")}
+    assert sorted(rates) == ["article", "classic", "fast"] and min(rates.values()) > 0, out
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -1,14 +1,16 @@
 """In-process dtype checks: each variant's forward runs in the precision it names.
 
-The autocast variants must compute AlexNet in the low-precision dtype (bfloat16 on
-the CPU), also through ``nn.DataParallel`` and ``DistributedDataParallel``; the fp32
-variants must stay float32. ``AlexNet.forward`` re-enters autocast itself (with the
-model's ``amp_dtype``), which is what keeps DataParallel's worker threads -- where the
-caller's thread-local autocast state is not active -- in the right dtype.
+Each training script's ``build()`` makes its variant's objects. The autocast variants
+must compute AlexNet in the low-precision dtype (bfloat16 on the CPU), also through
+``nn.DataParallel`` and ``DistributedDataParallel``; the fp32 variants must stay float32.
+``AlexNet.forward`` re-enters autocast itself (with the model's ``amp_dtype``, which the
+DataParallel autocast scripts set), which is what keeps DataParallel's worker threads --
+where the caller's thread-local autocast state is not active -- in the right dtype.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 
 import pytest
@@ -17,9 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from alexnet import AlexNet, alexnet
-from ampkit.distributed import DistInfo
-from ampkit.precision import autocast_factory, resolve_amp_dtype
-from ampkit.train import wrap_model
+from ampkit.engine import Parts, Variant
+from ampkit.precision import resolve_amp_dtype
 from ampkit.variants import TRAIN_VARIANTS
 
 CPU = torch.device("cpu")
@@ -66,9 +67,16 @@ def recording(model: nn.Module):
             h.remove()
 
 
-def variant_amp_dtype(precision: str) -> torch.dtype | None:
-    """What ampkit.train.run picks for a variant on the CPU with no --amp_dtype."""
-    return resolve_amp_dtype(None, CPU) if precision != "fp32" else None
+def build(variant: str, model: nn.Module, dp_scope: str = "model",
+          amp_dtype: str | None = None) -> Variant:
+    """The variant's objects, as its training script's build() makes them."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    parts = Parts(CPU, model, nn.CrossEntropyLoss(), optimizer, amp_dtype, dp_scope)
+    return importlib.import_module(variant).build(parts)
+
+
+def bf16_ctx():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
 def test_cpu_default_amp_dtype_is_bfloat16():
@@ -79,16 +87,19 @@ def test_cpu_default_amp_dtype_is_bfloat16():
 @pytest.mark.parametrize("variant", sorted(TRAIN_VARIANTS))
 def test_variant_forward_dtype(variant, model, images, gloo_group):
     parallel, precision = TRAIN_VARIANTS[variant]
-    amp_dtype = variant_amp_dtype(precision)
     want = torch.float32 if precision == "fp32" else torch.bfloat16
-    model.amp_dtype = amp_dtype
     try:
-        wrapped = wrap_model(model, parallel, DistInfo(device=CPU, distributed=parallel == "ddp"))
+        v = build(variant, model)
         expected_wrapper = {"single": AlexNet, "dp": nn.DataParallel,
                             "ddp": nn.parallel.DistributedDataParallel}[parallel]
-        assert type(wrapped) is expected_wrapper
-        with torch.no_grad(), recording(model) as seen, autocast_factory(CPU, amp_dtype)():
-            out = wrapped(images)
+        assert type(v.model) is expected_wrapper
+        assert v.precision == precision and v.amp_dtype == (None if precision == "fp32" else want)
+        assert (v.scaler is not None) == (precision == "grad_scaler")
+        # The DataParallel autocast scripts set the model's own dtype (for its replica
+        # threads); the others leave the precision to their visible autocast.
+        assert model.amp_dtype == (want if parallel == "dp" and precision != "fp32" else None)
+        with torch.no_grad(), recording(model) as seen, v.autocast or contextlib.nullcontext():
+            out = v.model(images)
     finally:
         model.amp_dtype = None
     assert out.shape == (2, 3)
@@ -137,7 +148,7 @@ def test_dtype_in_a_worker_thread_under_callers_autocast(model, images):
 
     model.amp_dtype = torch.bfloat16
     try:
-        with autocast_factory(CPU, torch.bfloat16)():
+        with bf16_ctx():
             t = threading.Thread(target=worker)
             t.start()
             t.join()
@@ -155,10 +166,9 @@ def test_dp_features_scope_replicas_keep_the_run_dtype(images):
     takes the thread's default dtype, not the caller's. The block must still use the run's
     dtype. float16 on the CPU, where the default is bfloat16, makes the difference visible."""
     torch.manual_seed(0)
-    model = wrap_model(alexnet(num_classes=3).eval(), "dp", DistInfo(device=CPU),
-                       dp_scope="features")
+    model = build("train_DP_autocast", alexnet(num_classes=3).eval(), dp_scope="features",
+                  amp_dtype="float16").model
     assert isinstance(model.features, nn.DataParallel)
-    model.amp_dtype = torch.float16  # set after wrapping: reaches the wrapped block too
     replica = model.features.module
     assert replica.amp_dtype is torch.float16
     results = {}
@@ -168,7 +178,7 @@ def test_dp_features_scope_replicas_keep_the_run_dtype(images):
             results["default"] = nn.Conv2d(3, 2, 3)(images).dtype
             results["features"] = replica(images).dtype
 
-    with autocast_factory(CPU, torch.float16)():
+    with torch.autocast("cpu", dtype=torch.float16):
         t = threading.Thread(target=worker)
         t.start()
         t.join()
@@ -176,7 +186,7 @@ def test_dp_features_scope_replicas_keep_the_run_dtype(images):
     assert results["features"] == torch.float16
     with torch.no_grad():
         assert model(images).dtype == torch.float16
-        model.amp_dtype = None
+        model.amp_dtype = None  # reaches the wrapped block too
         assert model(images).dtype == torch.float32
         assert replica(images).dtype == torch.float32
 
@@ -193,7 +203,7 @@ def test_dataparallel_wrapper_keeps_bf16_without_outer_autocast(model, images):
 
 
 def test_fp32_model_stays_fp32_under_dataparallel(model, images):
-    with torch.no_grad(), recording(model) as seen, autocast_factory(CPU, None)():
+    with torch.no_grad(), recording(model) as seen:
         out = nn.DataParallel(model)(images)
     assert out.dtype == torch.float32
     assert seen == {"conv1": torch.float32, "fc2": torch.float32}

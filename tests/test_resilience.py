@@ -1,4 +1,4 @@
-"""Issue 5: resume, atomic and safe checkpoints, signals, elastic restarts, multi-node, clear errors."""
+"""Resume, atomic and safe checkpoints, signals, elastic restarts, multi-node, clear errors."""
 from __future__ import annotations
 
 import json
@@ -94,7 +94,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(imagefolder_root, tmp_pat
     run_dir = ckpt / "train_GradScaler"
     # Saves: epoch 1 -> best (1), last (2); epoch 2 -> best? (3), last. Kill in the 3rd write.
     env = {"FAULT_KILL_IN_SAVE": "3"}
-    rc, out, err = _run_faulty("single", "grad_scaler",
+    rc, out, err = _run_faulty("train_GradScaler",
                                *_tiny(imagefolder_root, ckpt, "--epochs", "2"), env=env)
     assert rc == -signal.SIGKILL
     assert list(run_dir.glob(".*.tmp")), "the killed save should have left its temp file"
@@ -130,9 +130,9 @@ def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_p
     assert _epochs_logged(run_dir) == [1, 2]
 
     # Resuming a finished run (in-process, fast): says so, trains nothing, rewrites nothing.
-    from ampkit.train import main
+    import train_GradScaler
     mtime = (run_dir / "last.pth").stat().st_mtime_ns
-    main("single", "grad_scaler", _tiny(imagefolder_root, ckpt, "--epochs", "2", "--resume"))
+    train_GradScaler.main(_tiny(imagefolder_root, ckpt, "--epochs", "2", "--resume"))
     out = capsys.readouterr().out
     assert "already trained 2 of --epochs 2; nothing to do" in out, out
     assert "epoch 3" not in out and (run_dir / "last.pth").stat().st_mtime_ns == mtime
@@ -182,7 +182,7 @@ def test_torchrun_max_restarts_resumes_and_finishes(imagefolder_root, tmp_path):
     env = dict(os.environ, FAULT_EXIT_AT_STEP="5", FAULT_RANK="1", FAULT_MARKER=str(marker))
     # 48 images / (2 ranks x 8) = 3 steps per epoch: step 5 is inside epoch 2.
     cmd = _torchrun("--nproc_per_node=2", "--max-restarts=1", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{_free_port()}", str(HELPER), "ddp", "grad_scaler",
+                    f"--rdzv-endpoint=127.0.0.1:{_free_port()}", str(HELPER), "train_DDP_GradScaler",
                     *_tiny(imagefolder_root, ckpt, "--epochs", "3"))
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -297,9 +297,9 @@ def test_corrupt_checkpoint_as_a_user_sees_it(ckpt_3class, tmp_path, imagefolder
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and str(path) in lines[0] and "truncated or corrupt" in lines[0], lines
     # A 3-class checkpoint on the 10-class CIFAR-10 test split (in-process).
-    from ampkit.evaluate import main
+    import eval_without
     with pytest.raises(SystemExit) as exit_info:
-        main("single", ["--checkpoint", str(ckpt_3class), "--dataset", "CIFAR10",
+        eval_without.main(["--checkpoint", str(ckpt_3class), "--dataset", "CIFAR10",
                         "--dataset_root", str(cifar_root), "--img_size", "64", "--no-cuda"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
@@ -314,33 +314,40 @@ def test_eval_with_folder_without_checkpoint(tmp_path):
 
 # --- non-finite loss ------------------------------------------------------------------------
 
-def _nan_model_run(precision: str):
+def _nan_model_run(variant: str):
+    """The variant's own step on an AlexNet whose output is NaN, over 8 tiny batches."""
+    import importlib
+
     from alexnet import alexnet
     from ampkit.distributed import DistInfo
-    from ampkit.engine import TrainingDiverged, train_one_epoch
-    from ampkit.precision import autocast_factory, make_scaler
+    from ampkit.engine import Parts
+    from ampkit.precision import SkippedSteps
 
-    info = DistInfo(device=torch.device("cpu"))
-    model = alexnet(num_classes=3, amp_dtype=None if precision == "fp32" else torch.bfloat16)
+    cpu = torch.device("cpu")
+    model = alexnet(num_classes=3)
     with torch.no_grad():
         model.classifier[-1].bias.fill_(float("nan"))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    batches = [(torch.randn(2, 3, 64, 64), torch.randint(0, 3, (2,))) for _ in range(8)]
-    scaler = make_scaler(info.device, enabled=precision == "grad_scaler")
-    autocast = autocast_factory(info.device, None if precision == "fp32" else torch.bfloat16)
-    return train_one_epoch, TrainingDiverged, (model, batches, torch.nn.CrossEntropyLoss(), opt,
-                                               scaler, autocast, info)
+    v = importlib.import_module(variant).build(Parts(cpu, model, torch.nn.CrossEntropyLoss(), opt))
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 3, 64, 64, generator=gen), torch.randint(0, 3, (2,), generator=gen))
+               for _ in range(8)]
+    return v.step, batches, DistInfo(device=cpu), SkippedSteps(v.scaler, cpu)
 
 
 def test_nonfinite_loss_without_scaler_stops_with_clear_error():
-    train_one_epoch, TrainingDiverged, args = _nan_model_run("fp32")
+    from ampkit.engine import TrainingDiverged, train_one_epoch
+
+    step, batches, info, _ = _nan_model_run("train_without")
     with pytest.raises(TrainingDiverged, match="inf/NaN for 5 consecutive steps"):
-        train_one_epoch(*args, log_every=5, max_nonfinite=5)
+        train_one_epoch(step, batches, info, log_every=5, max_nonfinite=5)
 
 
 def test_nonfinite_with_scaler_counts_skipped_steps():
-    train_one_epoch, _, args = _nan_model_run("grad_scaler")
-    stats = train_one_epoch(*args, log_every=4)
+    from ampkit.engine import train_one_epoch
+
+    step, batches, info, skipped = _nan_model_run("train_GradScaler")
+    stats = train_one_epoch(step, batches, info, log_every=4, max_nonfinite=None, skipped=skipped)
     assert stats.steps == 8 and stats.skipped == 8 and stats.nonfinite == 8
 
 
@@ -393,10 +400,10 @@ def test_bad_input_one_line_error(name, imagefolder_root, tmp_path, capsys):
     """In-process (fast): main() exits 2 with exactly one line on stderr, writes nothing."""
     if name == "cuda without CUDA" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from ampkit.train import main
+    import train_autocast
 
     with pytest.raises(SystemExit) as exit_info:
-        main("single", "autocast", _bad_input_args(name, imagefolder_root, tmp_path))
+        train_autocast.main(_bad_input_args(name, imagefolder_root, tmp_path))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -428,19 +435,18 @@ def test_single_process_script_under_torchrun_is_an_error(script, imagefolder_ro
                                                           capsys, monkeypatch):
     """`torchrun --nproc_per_node=2 AMP/train_without.py`: two copies would train the same
     model and write the same files. Rank 0 says so in one line; every rank exits 2."""
-    from ampkit import evaluate, train
-    from ampkit.variants import TRAIN_VARIANTS
+    import importlib
 
+    main = importlib.import_module(script).main
     for rank, lines_expected in ((0, 1), (1, 0)):
         monkeypatch.setenv("WORLD_SIZE", "2")
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("LOCAL_RANK", str(rank))
         with pytest.raises(SystemExit) as exit_info:
             if script.startswith("eval"):
-                evaluate.main("dp", ["--checkpoint", str(tmp_path / "ckpt"), "--no-cuda"])
+                main(["--checkpoint", str(tmp_path / "ckpt"), "--no-cuda"])
             else:
-                train.main(*TRAIN_VARIANTS[script],
-                           _tiny(imagefolder_root, tmp_path / "ckpt", "--epochs", "1"))
+                main(_tiny(imagefolder_root, tmp_path / "ckpt", "--epochs", "1"))
         assert exit_info.value.code == 2
         lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
         assert len(lines) == lines_expected, lines

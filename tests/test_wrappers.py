@@ -3,20 +3,25 @@ DDP, torch.compile), the saved weights carry the bare AlexNet's keys."""
 import torch
 from torch import nn
 
+import train_DP
 from alexnet import alexnet
 from ampkit import checkpoint as ckpt_io
-from ampkit.distributed import DistInfo
-from ampkit.train import wrap_model
-
-INFO = DistInfo(device=torch.device("cpu"))
+from ampkit.engine import Parts
 
 
 def _bare_keys():
     return set(alexnet(num_classes=3).state_dict())
 
 
+def _dp(dp_scope: str) -> nn.Module:
+    model = alexnet(num_classes=3)
+    parts = Parts(torch.device("cpu"), model, nn.CrossEntropyLoss(),
+                  torch.optim.SGD(model.parameters(), lr=0.0), dp_scope=dp_scope)
+    return train_DP.build(parts).model
+
+
 def test_dp_on_features_only_saves_bare_keys_and_runs():
-    model = wrap_model(alexnet(num_classes=3), "dp", INFO, dp_scope="features")
+    model = _dp("features")
     assert isinstance(model.features, nn.DataParallel)
     assert any(".module." in k for k in model.state_dict())  # the raw keys do carry it
     state = ckpt_io.model_state(model)
@@ -27,7 +32,7 @@ def test_dp_on_features_only_saves_bare_keys_and_runs():
 
 
 def test_whole_model_dp_saves_bare_keys():
-    model = wrap_model(alexnet(num_classes=3), "dp", INFO)
+    model = _dp("model")
     assert all(k.startswith("module.") for k in model.state_dict())
     assert set(ckpt_io.model_state(model)) == _bare_keys()
 

@@ -1,3 +1,4 @@
-"""Shared code of the AMP scripts: one engine, one place each for args, data,
-distributed setup, checkpoint IO and logging. The entry scripts in ``AMP/`` only
-name their variant and call :func:`ampkit.train.main` or :func:`ampkit.evaluate.main`."""
+"""What the AMP scripts share: flags, distributed setup, data, checkpoints, logging, the
+epoch loop and measuring. Each script in ``AMP/`` builds its own technique (wrapper,
+precision objects, training step) and hands it to :class:`ampkit.train.Trainer` or
+:class:`ampkit.evaluate.Evaluation` for the rest."""

@@ -1,16 +1,18 @@
-"""The one training/evaluation loop shared by every variant.
+"""The epoch loop around a script's training step, and the accuracy count.
 
-Variants differ only by the objects passed in: the model (bare, DataParallel or
-DDP), the autocast factory (a no-op for fp32) and the GradScaler (disabled
-unless the variant uses it). The hot loop never syncs the host: loss sums,
-non-finite counters and skipped-step counts stay on the device and are read
-every ``log_every`` steps and at the end of the epoch.
+A train script's ``build(parts: Parts) -> Variant`` makes its variant: the wrapper, the
+precision objects and the step -- forward under autocast, backward (scaled or not),
+optimizer step. ``train_one_epoch`` runs that step and does the bookkeeping around it.
+It never syncs the host per step: loss sums and counters stay on the device and are
+read every ``log_every`` steps and at the end of the epoch.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterable, Optional, Tuple
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, ContextManager, Iterable, Optional
 
 import torch
 from torch import nn
@@ -18,6 +20,45 @@ from tqdm import tqdm
 
 from .distributed import DistInfo, synchronize
 from .errors import UserError
+from .precision import SkippedSteps, resolve_amp_dtype
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images, targets) -> loss
+
+
+@dataclass
+class Parts:
+    """What a script's ``build()`` starts from: the objects that do not depend on the variant."""
+    device: torch.device
+    model: nn.Module             # the bare AlexNet, on ``device`` (resumed weights loaded)
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    amp_dtype_flag: Optional[str] = None  # --amp_dtype
+    dp_scope: str = "model"               # --dp_scope (DataParallel scripts)
+
+    @cached_property
+    def amp_dtype(self) -> torch.dtype:
+        """The autocast dtype: --amp_dtype, else float16 on CUDA and bfloat16 on the CPU."""
+        return resolve_amp_dtype(self.amp_dtype_flag, self.device)
+
+
+@dataclass
+class Variant:
+    """What a script's ``build()`` returns: its model and step, and the precision objects
+    that checkpoints, validation and the logs need to know about."""
+    model: nn.Module                           # as wrapped by the script (DP, DDP) or bare
+    step: Step                                 # one optimizer step on (images, targets) -> loss
+    autocast: Optional[torch.autocast] = None  # validation runs under it too
+    scaler: Optional[torch.amp.GradScaler] = None
+
+    @property
+    def precision(self) -> str:
+        if self.scaler is not None:
+            return "grad_scaler"
+        return "autocast" if self.autocast is not None else "fp32"
+
+    @property
+    def amp_dtype(self) -> Optional[torch.dtype]:
+        return self.autocast.fast_dtype if self.autocast is not None else None
 
 
 class TrainingDiverged(UserError):
@@ -52,105 +93,103 @@ class EpochStats:
         return self.images / self.seconds if self.seconds > 0 else 0.0
 
 
+@dataclass
+class Tally:
+    """The epoch's running sums, kept on the device (adding to them never syncs)."""
+    device: torch.device
+    loss_sum: torch.Tensor = field(init=False)   # sum of loss x batch size, finite steps only
+    images: torch.Tensor = field(init=False)
+    finite_images: torch.Tensor = field(init=False)
+    nonfinite: torch.Tensor = field(init=False)  # steps with an inf/NaN loss
+    bad_run: torch.Tensor = field(init=False)    # current run of consecutive inf/NaN steps
+    worst_run: torch.Tensor = field(init=False)  # longest such run
 
-def train_one_epoch(model: nn.Module, loader: Iterable, criterion: nn.Module,
-                    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                    autocast: Callable[[], ContextManager], info: DistInfo, *,
-                    desc: str = "train", start_step: int = 0, log_every: int = 20,
-                    max_nonfinite: int = 5, stop: Optional[StopFlag] = None,
+    def __post_init__(self) -> None:
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name in ("images", "finite_images", "nonfinite", "bad_run", "worst_run"):
+            setattr(self, name, torch.zeros((), dtype=torch.int64, device=self.device))
+
+    def add(self, loss: torch.Tensor, n: int) -> None:
+        loss = loss.detach().double()
+        finite = torch.isfinite(loss)
+        self.loss_sum += torch.where(finite, loss, torch.zeros_like(loss)) * n
+        self.images += n
+        self.finite_images += finite.long() * n
+        self.nonfinite += (~finite).long()
+        self.bad_run = torch.where(finite, torch.zeros_like(self.bad_run), self.bad_run + 1)
+        self.worst_run = torch.maximum(self.worst_run, self.bad_run)
+
+
+def _diverged(worst: int, step: int) -> TrainingDiverged:
+    return TrainingDiverged(f"the training loss was inf/NaN for {worst} consecutive steps (by "
+                            f"step {step}); stopping. Lower --lr or use a GradScaler variant")
+
+
+def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: str = "train",
+                    start_step: int = 0, log_every: int = 20, max_nonfinite: Optional[int] = 5,
+                    stop: Optional[StopFlag] = None, skipped: Optional[SkippedSteps] = None,
                     input_format: torch.memory_format = torch.preserve_format) -> EpochStats:
+    """Run ``step_fn`` on every batch of ``loader``. ``max_nonfinite=None``: no divergence
+    check (a GradScaler skips the bad steps instead); ``skipped`` counts those skips."""
     device = info.device
-    model.train()
-    loss_sum = torch.zeros((), device=device)
-    counts = torch.zeros(4, dtype=torch.int64, device=device)  # images, finite images, skipped, non-finite
-    run_bad = torch.zeros((), dtype=torch.int64, device=device)    # consecutive non-finite steps
-    worst_bad = torch.zeros((), dtype=torch.int64, device=device)
-    use_scaler = scaler.is_enabled()
-
+    tally, skipped = Tally(device), skipped or SkippedSteps(None, device)
     synchronize(device)
     t0 = time.perf_counter()
-    step, steps_done, stopped_at = start_step, 0, None
+    step, steps_done, stopped_at, data_seconds = start_step, 0, None, 0.0
     total = start_step + len(loader) if hasattr(loader, "__len__") else None
     bar = tqdm(total=total, initial=start_step, desc=desc, disable=not info.is_main,
                leave=False, dynamic_ncols=True)
-    data_seconds = 0.0  # host time blocked waiting for the next batch (input stalls)
     batches = iter(loader)
-    try:
+    with bar:  # closed before any error message, so it is not drawn over
         while True:
             t_wait = time.perf_counter()
-            try:
-                images, targets = next(batches)
-            except StopIteration:
+            batch = next(batches, None)
+            if batch is None:
                 break
-            data_seconds += time.perf_counter() - t_wait
-            images = images.to(device, non_blocking=True, memory_format=input_format)
-            targets = targets.to(device, non_blocking=True)
-            with autocast():
-                outputs = model(images)
-                loss = criterion(outputs, targets)
-            optimizer.zero_grad(set_to_none=True)
-            if use_scaler:
-                scaler.scale(loss).backward()
-                scale_before = scaler._scale.clone()
-                scaler.step(optimizer)  # skipped internally when the gradients hold inf/NaN
-                scaler.update()
-                # update() lowers the scale exactly when it found inf/NaN, i.e. skipped the step.
-                counts[2] += (scaler._scale < scale_before).long().squeeze()
-            else:
-                loss.backward()
-                optimizer.step()
-
-            loss = loss.detach().float()
-            finite = torch.isfinite(loss)
-            n = targets.shape[0]
-            loss_sum += torch.where(finite, loss, torch.zeros_like(loss)) * n
-            counts[0] += n
-            counts[1] += finite.long() * n
-            counts[3] += (~finite).long()
-            run_bad = torch.where(finite, torch.zeros_like(run_bad), run_bad + 1)
-            worst_bad = torch.maximum(worst_bad, run_bad)
-            step += 1
-            steps_done += 1
+            data_seconds += time.perf_counter() - t_wait  # host time waiting for input
+            images = batch[0].to(device, non_blocking=True, memory_format=input_format)
+            targets = batch[1].to(device, non_blocking=True)
+            with skipped.watch():
+                loss = step_fn(images, targets)
+            tally.add(loss, targets.shape[0])
+            step, steps_done = step + 1, steps_done + 1
             bar.update(1)
-
             local_stop = stop is not None and stop.requested
             if step % log_every == 0 or (local_stop and not info.distributed):
                 # A host sync point: every log_every steps, never every step. Under DDP all
                 # ranks reach it at the same step, so they agree on stopping together.
-                flags = torch.stack([worst_bad, torch.tensor(int(local_stop), device=device)])
+                flags = torch.stack([tally.worst_run, torch.tensor(int(local_stop), device=device)])
                 worst, stop_all = info.all_reduce_max(flags).tolist()
                 if info.is_main:
-                    c = counts.tolist()
-                    bar.set_postfix(loss=f"{(loss_sum / max(c[1], 1)).item():.4f}")
-                if worst >= max_nonfinite and not use_scaler:
-                    raise TrainingDiverged(
-                        f"the training loss was inf/NaN for {worst} consecutive steps (at step "
-                        f"{step}); stopping. Lower --lr or use a GradScaler variant")
+                    mean = tally.loss_sum / tally.finite_images.clamp(min=1)
+                    bar.set_postfix(loss=f"{mean.item():.4f}")
+                if max_nonfinite is not None and worst >= max_nonfinite:
+                    raise _diverged(worst, step)
                 if stop_all:
                     stopped_at = step
                     break
-    finally:
-        bar.close()  # before any error message, so it is not drawn over
 
-    totals = info.all_reduce_sum(torch.cat([counts.double(), loss_sum.double().view(1)]))
-    worst = int(info.all_reduce_max(worst_bad.clone()).item())
+    totals = info.all_reduce_sum(torch.stack([tally.images.double(), tally.finite_images.double(),
+                                              skipped.count.double(), tally.nonfinite.double(),
+                                              tally.loss_sum]))
+    worst = int(info.all_reduce_max(tally.worst_run.clone()).item())
     synchronize(device)
     seconds = time.perf_counter() - t0
-    images, finite_images, skipped, nonfinite, loss_total = totals.tolist()
-    if worst >= max_nonfinite and not use_scaler:
-        raise TrainingDiverged(f"the training loss was inf/NaN for {worst} consecutive steps; "
-                               "stopping. Lower --lr or use a GradScaler variant")
-    mean_loss = loss_total / finite_images if finite_images else float("nan")
-    return EpochStats(loss=mean_loss, images=int(images), seconds=seconds, steps=steps_done,
-                      skipped=int(skipped), nonfinite=int(nonfinite), stopped_at=stopped_at,
+    images, finite_images, n_skipped, nonfinite, loss_total = totals.tolist()
+    if max_nonfinite is not None and worst >= max_nonfinite:
+        raise _diverged(worst, step)
+    return EpochStats(loss=loss_total / finite_images if finite_images else float("nan"),
+                      images=int(images), seconds=seconds, steps=steps_done,
+                      skipped=int(n_skipped), nonfinite=int(nonfinite), stopped_at=stopped_at,
                       data_seconds=data_seconds)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable, autocast: Callable[[], ContextManager],
-             info: DistInfo, desc: str = "eval",
-             input_format: torch.memory_format = torch.preserve_format) -> Tuple[int, int]:
-    """Top-1 (correct, total) over the whole split, summed exactly across ranks."""
+def count_correct(model: nn.Module, loader: Iterable, info: DistInfo,
+                  autocast: Optional[ContextManager] = None, desc: str = "eval",
+                  input_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
+    """``tensor([correct, seen])`` (int64, on the device) over this process's batches:
+    top-1 predictions that match the target. Summing them over ranks is the caller's."""
     device = info.device
     model.eval()
     counts = torch.zeros(2, dtype=torch.int64, device=device)
@@ -158,9 +197,8 @@ def evaluate(model: nn.Module, loader: Iterable, autocast: Callable[[], ContextM
                                 dynamic_ncols=True):
         images = images.to(device, non_blocking=True, memory_format=input_format)
         targets = targets.to(device, non_blocking=True)
-        with autocast():
+        with autocast or contextlib.nullcontext():
             outputs = model(images)
         counts[0] += (outputs.argmax(dim=1) == targets).sum()
         counts[1] += targets.shape[0]
-    correct, total = info.all_reduce_sum(counts).tolist()
-    return int(correct), int(total)
+    return counts

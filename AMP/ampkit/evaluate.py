@@ -1,12 +1,16 @@
-"""Evaluation: top-1 accuracy of a checkpoint on the test split (single, DP or DDP).
+"""The eval driver every eval script shares: ``Evaluation(...)``, ``count_correct``, ``report``.
 
-The checkpoint is loaded once, onto the device; the data set, its root and the
-image size default to what the checkpoint was trained with. Under DDP each rank
-evaluates a disjoint shard (no padding) and the counts are summed exactly, so
-every world size reports the same figure as ``eval_without``.
+``Evaluation.__init__`` reads the flags, sets up the device (and, for eval_DDP, the
+process group from torchrun's environment), loads the checkpoint on the CPU, builds
+the test split -- by default the data set, root and image size the checkpoint was
+trained with -- and an AlexNet holding the checkpoint's weights, on the device.
+The script decides how the model runs (bare, ``nn.DataParallel``) and which test
+images this process counts (all of them, or its DDP shard); ``count_correct`` counts,
+``report`` prints the one result line.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -18,53 +22,67 @@ from alexnet import alexnet
 from . import checkpoint as ckpt_io
 from .config import DATA_DIR, parse_eval_args
 from .data import build_loaders
-from .distributed import DistInfo, cleanup, setup
-from .engine import evaluate
-from .errors import report_user_errors
-from .precision import autocast_factory, resolve_amp_dtype
-from .variants import eval_name
+from .distributed import cleanup, setup
+from .engine import count_correct
+from .precision import resolve_amp_dtype
 
 
-def run(args, parallel: str, info: DistInfo) -> float:
-    device = info.device
-    path = ckpt_io.resolve(args.checkpoint)
-    state = ckpt_io.load(path, map_location=device)
-    trained = state.get("args") or {}
-    dataset = args.dataset or trained.get("dataset") or "CIFAR10"
-    root = Path(args.dataset_root or trained.get("dataset_root") or DATA_DIR)
-    img_size = args.img_size or trained.get("img_size") or 227
+class Evaluation:
+    """Set-up, counting and the result line of one eval script (see the module docstring)."""
 
-    data = build_loaders(dataset, root, img_size, args.batch_size, info, loader=args.loader,
-                         num_workers=args.num_workers, channels_last=args.channels_last,
-                         train=False)
-    amp_dtype = resolve_amp_dtype(args.amp_dtype, device) if args.autocast else None
-    model = alexnet(num_classes=data.num_classes, amp_dtype=amp_dtype)
-    ckpt_io.load_weights(model, state, path)
-    input_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    model = model.to(device, memory_format=input_format)
-    if parallel == "dp":
-        model = nn.DataParallel(model)
-    # eval_DDP needs no DDP wrapper: there is no gradient to synchronise, each rank
-    # runs its own copy on its own shard and only the counts are reduced.
+    def __init__(self, name: str, argv: Optional[Sequence[str]] = None, *,
+                 ddp: bool = False) -> None:
+        self.name = name
+        self.args = parse_eval_args(name, ddp=ddp, argv=argv)
+        self.info = setup(ddp, self.args.cuda)
+        try:
+            self._set_up()
+        except BaseException:
+            cleanup(self.info)
+            raise
 
-    if info.is_main:
-        print(f"checkpoint: {path}", flush=True)
-    correct, total = evaluate(model, data.val, autocast_factory(device, amp_dtype), info,
-                              desc=eval_name(parallel), input_format=input_format)
-    acc = correct / total
-    if info.is_main:
-        print(f"top-1 accuracy on {dataset} test split ({img_size}px"
-              f"{', autocast ' + str(amp_dtype)[6:] if amp_dtype else ''}"
-              f"{f', {info.world_size} processes' if info.world_size > 1 else ''}): "
-              f"{correct}/{total} = {acc:.4f}", flush=True)
-    return acc
+    def _set_up(self) -> None:
+        args, device = self.args, self.info.device
+        self.path = ckpt_io.resolve(args.checkpoint)
+        state = ckpt_io.load(self.path, map_location="cpu")  # moved to the device with the model
+        trained = state.get("args") or {}
+        self.dataset = args.dataset or trained.get("dataset") or "CIFAR10"
+        root = Path(args.dataset_root or trained.get("dataset_root") or DATA_DIR)
+        self.img_size = args.img_size or trained.get("img_size") or 227
+        data = build_loaders(self.dataset, root, self.img_size, args.batch_size, self.info,
+                             loader=args.loader, num_workers=args.num_workers,
+                             channels_last=args.channels_last, train=False)
+        self.loader, self.test_size = data.val, data.val_size
+        self.amp_dtype = resolve_amp_dtype(args.amp_dtype, device) if args.autocast else None
+        # With --autocast, AlexNet's forward re-enters autocast with this dtype itself (for
+        # DataParallel's replica threads, which do not inherit the caller's dtype).
+        model = alexnet(num_classes=data.num_classes, amp_dtype=self.amp_dtype)
+        ckpt_io.load_weights(model, state, self.path)
+        del state
+        self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
+        self.model = model.to(device, memory_format=self.input_format)
+        self.autocast = (torch.autocast(device.type, dtype=self.amp_dtype) if self.amp_dtype
+                         else contextlib.nullcontext())
+        if self.info.is_main:
+            print(f"checkpoint: {self.path}", flush=True)
 
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
 
-@report_user_errors
-def main(parallel: str, argv: Optional[Sequence[str]] = None) -> None:
-    args = parse_eval_args(eval_name(parallel), ddp=parallel == "ddp", argv=argv)
-    info = setup(parallel == "ddp", args.cuda)
-    try:
-        run(args, parallel, info)
-    finally:
-        cleanup(info)
+    def count_correct(self, model: nn.Module, indices: Sequence[int]) -> torch.Tensor:
+        """``tensor([correct, seen])`` on the device, over the test images ``indices``."""
+        self.loader.sampler.indices = indices
+        return count_correct(model, self.loader, self.info, self.autocast, desc=self.name,
+                             input_format=self.input_format)
+
+    def report(self, correct: int, total: int) -> float:
+        """Print the result line (global rank 0), release the process group; the accuracy."""
+        acc = correct / total
+        if self.info.is_main:
+            print(f"top-1 accuracy on {self.dataset} test split ({self.img_size}px"
+                  f"{', autocast ' + str(self.amp_dtype)[6:] if self.amp_dtype else ''}"
+                  f"{f', {self.info.world_size} processes' if self.info.world_size > 1 else ''}"
+                  f"): {correct}/{total} = {acc:.4f}", flush=True)
+        cleanup(self.info)
+        return acc

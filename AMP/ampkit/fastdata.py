@@ -21,8 +21,8 @@ runs in float32 after normalising at the source size.
 Sampling is the classic path's, so the two paths agree sample for sample:
 training uses ``ResumableDistributedSampler`` (``DistributedSampler`` semantics:
 a seeded permutation per ``set_epoch``, each rank its share, padded by repeating,
-``start_index`` to resume mid-epoch); evaluation uses ``ShardSampler``
-(``rank::world_size``, no padding).
+``start_index`` to resume mid-epoch); evaluation uses ``IndexSampler``
+(``rank::world_size`` by default, no padding).
 
 Only data sets that fit in memory take this path (CIFAR10, FakeData);
 ImageFolder stays on the classic DataLoader path (``fits_in_memory``).
@@ -38,18 +38,15 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from .data import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, STD, ResumableDistributedSampler,
-                   ShardSampler, _cifar10)
+from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD, IndexSampler,
+                       check_cifar_root, cifar10, train_sampler)
 from .distributed import DistInfo
 from .errors import UserError
-
-IN_MEMORY_DATASETS = ("CIFAR10", "FakeData")
-_NUM_CLASSES = {"CIFAR10": 10, "FakeData": 10}
 
 
 def fits_in_memory(name: str) -> bool:
     """Whether ``name`` takes the fast path (held whole on the device)."""
-    return name in IN_MEMORY_DATASETS
+    return name in NUM_CLASSES
 
 
 def _fake_uint8(train: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -67,10 +64,9 @@ def load_uint8(name: str, root: Path, info: DistInfo, train: bool) -> Tuple[torc
     """A whole split as (images uint8 [N, 3, H, W] contiguous, labels int64 [N]) on the CPU."""
     if name == "CIFAR10":
         root = Path(root)
-        if root.exists() and not root.is_dir():
-            raise UserError(f"--dataset_root {root} is a file, not a folder")
+        check_cifar_root(root)
         with info.local_main_first():  # one process per node downloads
-            ds = _cifar10(root, train, None, download=info.is_local_main)
+            ds = cifar10(root, train, None, download=info.is_local_main)
         # ds.data is an N,H,W,C view of the N,C,H,W array read from the batch files:
         # permuting back gives a contiguous tensor without a copy.
         images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
@@ -98,8 +94,7 @@ class DeviceLoader:
 
     def __init__(self, images_u8: torch.Tensor, labels: torch.Tensor, *, batch_size: int,
                  img_size: int, device: torch.device, train: bool, info: DistInfo,
-                 seed: int = 0, channels_last: bool = False,
-                 num_classes: Optional[int] = None) -> None:
+                 seed: int = 0, channels_last: bool = False) -> None:
         if images_u8.dtype != torch.uint8 or images_u8.dim() != 4 or images_u8.shape[1] != 3:
             raise ValueError(f"images_u8 must be uint8 [N, 3, H, W], got {images_u8.dtype} "
                              f"{tuple(images_u8.shape)}")
@@ -115,14 +110,8 @@ class DeviceLoader:
         self.train, self.seed, self.rank = train, seed, info.rank
         self.channels_last = channels_last
         self.dataset_size = images_u8.shape[0]
-        self.num_classes = (num_classes if num_classes is not None
-                            else int(labels.max()) + 1 if len(labels) else 0)
-        if train:
-            self.sampler = ResumableDistributedSampler(
-                range(self.dataset_size), num_replicas=info.world_size, rank=info.rank,
-                shuffle=True, seed=seed)
-        else:
-            self.sampler = ShardSampler(self.dataset_size, info.rank, info.world_size)
+        self.sampler = (train_sampler(self.dataset_size, info, seed) if train
+                        else IndexSampler.shard(self.dataset_size, info))
         # Normalize((x/255 - mean) / std) as x * scale + bias on the 0..255 values.
         std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1) * 255
         mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1) * 255
@@ -189,13 +178,12 @@ def fast_loaders(name: str, root: Path, img_size: int, batch_size: int, info: Di
                  seed: int = 0, channels_last: bool = False, train: bool = True
                  ) -> Tuple[Optional[DeviceLoader], DeviceLoader, int]:
     """(training loader, or None with ``train=False``; validation loader; number of classes)."""
-    num_classes = _NUM_CLASSES.get(name)
     kw = dict(batch_size=batch_size, img_size=img_size, device=info.device, info=info,
-              seed=seed, channels_last=channels_last, num_classes=num_classes)
+              seed=seed, channels_last=channels_last)
     train_dl = None
     if train:
         images, labels = load_uint8(name, root, info, train=True)
         train_dl = DeviceLoader(images, labels, train=True, **kw)
     images, labels = load_uint8(name, root, info, train=False)
     val_dl = DeviceLoader(images, labels, train=False, **kw)
-    return train_dl, val_dl, num_classes
+    return train_dl, val_dl, NUM_CLASSES[name]

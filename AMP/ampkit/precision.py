@@ -1,24 +1,22 @@
-"""The three precision modes differ by two objects: an autocast context and a GradScaler.
+"""Precision helpers: which autocast dtype a run uses, and GradScaler's skipped steps.
 
-- ``fp32``: autocast disabled, scaler disabled.
-- ``autocast``: autocast on (float16 on CUDA, bfloat16 on the CPU by default), no scaler.
-- ``grad_scaler``: autocast on plus ``torch.amp.GradScaler`` (loss scaling; needed for
-  float16, harmless but unnecessary for bfloat16, which has fp32's exponent range).
+The precision objects themselves (``torch.autocast`` and ``torch.amp.GradScaler``) are
+built by each training script, where a reader sees them.
 """
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Callable, ContextManager, Optional
+from typing import Iterator, Optional
 
 import torch
 
 from .errors import UserError
 
-PRECISIONS = ("fp32", "autocast", "grad_scaler")
-
 
 def resolve_amp_dtype(name: Optional[str], device: torch.device) -> torch.dtype:
+    """``--amp_dtype``, or the default: float16 on CUDA, bfloat16 on the CPU (where CPU
+    autocast supports float16 only for some operators)."""
     if name is None:
         name = "float16" if device.type == "cuda" else "bfloat16"
     dtype = getattr(torch, name)
@@ -42,12 +40,32 @@ def cpu_has_fast_bf16() -> Optional[bool]:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def autocast_factory(device: torch.device, dtype: Optional[torch.dtype]) -> Callable[[], ContextManager]:
-    """A zero-argument factory of the autocast context (``dtype=None``: fp32, no autocast)."""
-    if dtype is None:
-        return contextlib.nullcontext
-    return lambda: torch.amp.autocast(device_type=device.type, dtype=dtype)
+class SkippedSteps:
+    """Counts the optimizer steps a GradScaler skipped (inf/NaN gradients), on the device.
 
+    Why not ``scaler.get_scale()``: it returns a Python float, so calling it after every
+    step would make the host wait for the GPU at every step. The scale is a tensor on the
+    device (GradScaler's private ``_scale``; there is no public accessor for the tensor),
+    and ``update()`` halves it exactly when ``step()`` was skipped, so comparing it
+    before and after a step counts the skips without a sync. ``scaler=None`` or a
+    disabled scaler: counts nothing.
+    """
 
-def make_scaler(device: torch.device, enabled: bool) -> torch.amp.GradScaler:
-    return torch.amp.GradScaler(device.type, enabled=enabled)
+    def __init__(self, scaler: Optional[torch.amp.GradScaler], device: torch.device) -> None:
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.count = torch.zeros((), dtype=torch.int64, device=device)
+        self._last: Optional[torch.Tensor] = None
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        """Around one training step."""
+        if self.scaler is None:
+            yield
+            return
+        before = self._last
+        if before is None:  # before the first step the scale is still a float: no sync
+            before = torch.tensor(self.scaler.get_scale(), device=self.count.device)
+        yield
+        after = self.scaler._scale
+        self.count += (after < before).long().squeeze()
+        self._last = after.clone()

@@ -1,6 +1,6 @@
-"""Run a training variant with an injected fault, for the resilience tests.
+"""Run a training script with an injected fault, for the resilience tests.
 
-    python tests/helpers/faulty_train.py PARALLEL PRECISION [train flags...]
+    python tests/helpers/faulty_train.py VARIANT [train flags...]     # e.g. train_GradScaler
 
 Environment:
   FAULT_EXIT_AT_STEP=N   this process dies (os._exit(1), no cleanup) at optimizer step N ...
@@ -8,6 +8,7 @@ Environment:
   FAULT_MARKER=PATH      ... and only once: the marker file records that it happened.
   FAULT_KILL_IN_SAVE=N   SIGKILL this process half-way through writing its N-th checkpoint file.
 """
+import importlib
 import os
 import signal
 import sys
@@ -16,8 +17,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "AMP"))
 
 import torch  # noqa: E402
-
-from ampkit.train import main  # noqa: E402
 
 exit_at = int(os.environ.get("FAULT_EXIT_AT_STEP", "0"))
 kill_in_save = int(os.environ.get("FAULT_KILL_IN_SAVE", "0"))
@@ -52,4 +51,4 @@ if kill_in_save:
     torch.save = save  # looked up by ampkit.checkpoint.atomic_save at call time
 
 if __name__ == "__main__":
-    main(parallel=sys.argv[1], precision=sys.argv[2], argv=sys.argv[3:])
+    importlib.import_module(sys.argv[1]).main(sys.argv[2:])

@@ -1,0 +1,164 @@
+"""Data sets, transforms and samplers: what both input paths (classic and fast) read.
+
+- CIFAR-10 through torchvision, downloaded into ``--dataset_root`` (one process per
+  node downloads while the others wait); with no network the error says where to
+  put the archive instead.
+- ImageFolder: ``<root>/train/<class>/*`` and ``<root>/val/<class>/*``.
+- FakeData: random images, for smoke runs without data.
+
+Training order: a seeded permutation per epoch from ``DistributedSampler`` (one
+replica when not under DDP), so every variant shuffles every epoch, DDP ranks
+see disjoint shares, and a run resumed mid-epoch can skip what it already saw.
+Validation: each rank takes every world_size-th sample, without padding, so the
+reduced counts are exact for any world size.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torchvision
+from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torchvision import transforms
+
+from .distributed import DistInfo
+from .errors import UserError
+
+# ImageNet statistics: standard for AlexNet and what its pretrained weights expect.
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+FAKE_TRAIN_SIZE, FAKE_VAL_SIZE = 1000, 200
+NUM_CLASSES = {"CIFAR10": 10, "FakeData": 10}  # ImageFolder: its number of class folders
+
+
+class CIFAR10(torchvision.datasets.CIFAR10):
+    """torchvision's CIFAR10, trusting extracted batch files that exist.
+
+    torchvision re-hashes the 178 MB of extracted files (md5) at every start;
+    the archive itself is still verified against its md5 when it is downloaded.
+    """
+
+    def _files(self):
+        names = [f for f, _ in self.train_list + self.test_list] + [self.meta["filename"]]
+        return [os.path.join(self.root, self.base_folder, n) for n in names]
+
+    def _check_integrity(self) -> bool:
+        return all(os.path.isfile(p) for p in self._files())
+
+    def _load_meta(self) -> None:
+        path = os.path.join(self.root, self.base_folder, self.meta["filename"])
+        with open(path, "rb") as f:
+            self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+
+
+def build_transform(img_size: int, train: bool) -> transforms.Compose:
+    steps = [transforms.Resize((img_size, img_size), antialias=True)]
+    if train:
+        steps.append(transforms.RandomHorizontalFlip())
+    steps += [transforms.ToTensor(), transforms.Normalize(MEAN, STD)]
+    return transforms.Compose(steps)
+
+
+def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
+    try:
+        return CIFAR10(str(root), train=train, transform=transform, download=download)
+    except Exception as e:  # URLError, socket errors, bad archive, ... : one line for the user
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(
+            f"CIFAR-10 is not in {root} and could not be downloaded ({reason}). Without a "
+            f"network, put cifar-10-python.tar.gz (from https://www.cs.toronto.edu/~kriz/) in "
+            f"{root}, or use --dataset ImageFolder or --dataset FakeData") from None
+
+
+def check_cifar_root(root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise UserError(f"--dataset_root {root} is a file, not a folder")
+
+
+def _image_folder(root: Path, split: str, transform) -> torchvision.datasets.ImageFolder:
+    folder = root / split
+    if not folder.is_dir():
+        raise UserError(f"--dataset ImageFolder expects {folder}/ with one folder per class "
+                        f"(and {root / ('val' if split == 'train' else 'train')}/ beside it)")
+    try:
+        return torchvision.datasets.ImageFolder(str(folder), transform=transform)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise UserError(f"{folder}: {str(e).splitlines()[0]}") from None
+
+
+@dataclass
+class Datasets:
+    train: Optional[Dataset]
+    val: Dataset
+    num_classes: int
+
+
+def build_datasets(name: str, root: Path, img_size: int, info: DistInfo,
+                   train: bool = True) -> Datasets:
+    """The training split (unless ``train=False``) and the validation/test split."""
+    root = Path(root)
+    train_tf, val_tf = build_transform(img_size, True), build_transform(img_size, False)
+    if name == "CIFAR10":
+        check_cifar_root(root)
+        with info.local_main_first():  # one process per node downloads
+            train_set = cifar10(root, True, train_tf, download=info.is_local_main) if train else None
+            val_set = cifar10(root, False, val_tf, download=info.is_local_main and not train)
+        return Datasets(train_set, val_set, NUM_CLASSES[name])
+    if name == "ImageFolder":
+        if not root.is_dir():
+            raise UserError(f"--dataset_root {root} does not exist or is not a folder")
+        if not any(root.iterdir()):
+            raise UserError(f"--dataset_root {root} is empty: ImageFolder expects train/ and val/")
+        train_set = _image_folder(root, "train", train_tf) if train else None
+        val_set = _image_folder(root, "val", val_tf)
+        if train_set is not None and train_set.classes != val_set.classes:
+            raise UserError(f"{root}: train/ and val/ have different class folders")
+        return Datasets(train_set, val_set, len(val_set.classes))
+    if name == "FakeData":
+        fake = torchvision.datasets.FakeData
+        size = (3, 32, 32)
+        train_set = fake(FAKE_TRAIN_SIZE, size, 10, train_tf, random_offset=0) if train else None
+        val_set = fake(FAKE_VAL_SIZE, size, 10, val_tf, random_offset=FAKE_TRAIN_SIZE)
+        return Datasets(train_set, val_set, NUM_CLASSES[name])
+    raise UserError(f"unknown --dataset {name!r}")
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler whose epoch can start part-way (``start_index``), for resuming."""
+
+    start_index = 0
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self.start_index:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start_index
+
+
+def train_sampler(size: int, info: DistInfo, seed: int) -> ResumableDistributedSampler:
+    return ResumableDistributedSampler(range(size), num_replicas=info.world_size,
+                                       rank=info.rank, shuffle=True, seed=seed)
+
+
+class IndexSampler(Sampler[int]):
+    """The given indices, in order. ``indices`` may be replaced between epochs (an eval
+    script choosing its shard); validation starts with this rank's shard."""
+
+    def __init__(self, indices: Sequence[int]) -> None:
+        self.indices = indices
+
+    @classmethod
+    def shard(cls, size: int, info: DistInfo) -> "IndexSampler":
+        """Every world_size-th index from ``rank``: disjoint shards covering each sample once."""
+        return cls(range(info.rank, size, info.world_size))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
