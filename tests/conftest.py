@@ -195,6 +195,24 @@ def clean_output(text: str) -> str:
     return "\n".join(lines)
 
 
+# Process groups of the scripts running now: a SIGTERM to pytest (a CI or `timeout` limit)
+# kills them too. Each runs in its own session (so a timeout can kill its whole tree), which
+# also takes it out of the group that `timeout` signals.
+_LIVE_GROUPS: set = set()
+
+
+def _kill_scripts_then_die(signum, frame):
+    for pgid in list(_LIVE_GROUPS):
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signal.SIGKILL)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def pytest_configure(config):
+    signal.signal(signal.SIGTERM, _kill_scripts_then_die)
+
+
 def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
                env: Optional[Dict[str, str]] = None,
                timeout: float = DEFAULT_TIMEOUT) -> ScriptResult:
@@ -214,6 +232,7 @@ def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _LIVE_GROUPS.add(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -222,6 +241,8 @@ def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
         out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n"
                     f"{clean_output(out)}\n--- stderr\n{clean_output(err)}")
+    finally:
+        _LIVE_GROUPS.discard(proc.pid)
     return ScriptResult(proc.returncode, out, err, cmd)
 
 
