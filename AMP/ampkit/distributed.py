@@ -57,11 +57,16 @@ class DistInfo:
 
     @contextlib.contextmanager
     def local_main_first(self) -> Iterator[None]:
-        """Local rank 0 of each node runs the block first (e.g. a download); the others wait."""
+        """Local rank 0 of each node runs the block first (e.g. a download); the others wait.
+        Local rank 0 reaches the barrier even when its block fails, so the others are released
+        at once (and then fail in their own block) instead of waiting for the timeout."""
         if not self.is_local_main:
             self.barrier()
-        yield
-        if self.is_local_main:
+            yield
+            return
+        try:
+            yield
+        finally:
             self.barrier()
 
 
@@ -117,16 +122,19 @@ def setup(ddp: bool, cuda_flag: Optional[bool]) -> DistInfo:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    _init_process_group(backend, rank, world_size, datetime.timedelta(minutes=30))
+    _init_process_group(backend, rank, world_size, datetime.timedelta(minutes=30),
+                        device if use_cuda else None)
     return DistInfo(device=device, rank=rank, world_size=world_size,
                     local_rank=local_rank, distributed=True)
 
 
 def _init_process_group(backend: str, rank: int, world_size: int,
-                        timeout: datetime.timedelta) -> None:
+                        timeout: datetime.timedelta, device: Optional[torch.device]) -> None:
+    # device_id binds the process to its GPU: NCCL connects eagerly, and warns without it.
+    kw = {"device_id": device} if device is not None else {}
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart == 0:
-        dist.init_process_group(backend=backend, timeout=timeout)  # env:// from torchrun
+        dist.init_process_group(backend=backend, timeout=timeout, **kw)  # env:// from torchrun
         return
     # After a torchrun restart the agent's store still holds the previous attempt's
     # keys, and a new rank can read a dead peer's address from them before its new
@@ -136,7 +144,7 @@ def _init_process_group(backend: str, rank: int, world_size: int,
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=not agent_store and rank == 0, timeout=timeout)
     dist.init_process_group(backend=backend, store=dist.PrefixStore(f"attempt_{restart}", store),
-                            rank=rank, world_size=world_size, timeout=timeout)
+                            rank=rank, world_size=world_size, timeout=timeout, **kw)
 
 
 def cleanup(info: DistInfo) -> None:
