@@ -52,8 +52,14 @@ def build_parser() -> Parser:
     p.add_argument("--num_classes", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--peak_tflops", type=float, default=None,
-                   help="peak TFLOP/s of ONE device at the variant's precision, for the "
-                        "utilisation column (e.g. the datasheet's dense fp16/bf16 figure)")
+                   help="peak dense fp16/bf16 TFLOP/s of ONE device (the datasheet's), for the "
+                        "utilisation of the autocast variants")
+    p.add_argument("--peak_tflops_fp32", type=float, default=None,
+                   help="peak TFLOP/s of ONE device for the fp32 variants: the TF32 figure "
+                        "with --tf32, the fp32 one with --no-tf32")
+    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA fp32 math, as in training: TF32 (--tf32) or full fp32 "
+                        "(--no-tf32). Default: PyTorch's, TF32 convolutions and fp32 matmuls")
     p.add_argument("--channels_last", action=argparse.BooleanOptionalAction, default=False,
                    help="model and inputs in the channels_last memory format (as in training)")
     p.add_argument("--compile", action="store_true",
@@ -102,14 +108,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--warmup must be >= 0")
     if args.img_size < MIN_IMG_SIZE:
         p.error(f"--img_size must be at least {MIN_IMG_SIZE} for AlexNet")
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        p.error("--peak_tflops must be positive")
+    for flag in ("peak_tflops", "peak_tflops_fp32"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            p.error(f"--{flag} must be positive")
     if args.threads is not None and args.threads <= 0:
         p.error("--threads must be a positive integer")
     return args
 
 
-def measure_steps(args: argparse.Namespace, device) -> list:
+def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
     """One StepResult per variant; a variant that fails is reported and the others run."""
     import gc
 
@@ -127,7 +134,7 @@ def measure_steps(args: argparse.Namespace, device) -> list:
                     variant, device=device, batch_size=args.batch_size, img_size=args.img_size,
                     warmup=args.warmup, steps=args.steps, amp_dtype=args.amp_dtype,
                     num_classes=args.num_classes, lr=args.lr, peak_tflops=args.peak_tflops,
-                    ddp=ddp, channels_last=args.channels_last, compile=args.compile,
+                    peak_tflops_fp32=args.peak_tflops_fp32, fp32_math=fp32_math, ddp=ddp, channels_last=args.channels_last, compile=args.compile,
                     dp_scope=args.dp_scope)
                 print(f"  {variant}: {r.step_ms:.1f} ms/step, {r.images_per_s:.1f} images/s",
                       flush=True)
@@ -156,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ampkit.data import default_workers
     from ampkit.distributed import want_cuda
     from ampkit.errors import UserError
-    from ampkit.precision import cpu_has_fast_bf16
+    from ampkit.precision import cpu_has_fast_bf16, set_tf32
 
     try:
         device = torch.device("cuda" if want_cuda(args.cuda) else "cpu")
@@ -177,7 +184,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("warning: this CPU has no native bfloat16 (AVX512-BF16/AMX): the autocast "
               "variants will be several times slower than fp32 here", file=sys.stderr)
 
-    steps = measure_steps(args, device)
+    fp32_math = set_tf32(args.tf32) if device.type == "cuda" else ""
+    steps = measure_steps(args, device, fp32_math)
     pipes = measure.measure_pipelines(
         PIPELINES[args.pipeline], args.dataset_root, args.img_size, args.batch_size,
         default_workers(args.num_workers, device), device, warmup=min(args.warmup, 2),
@@ -186,8 +194,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("\nTraining step (synthetic batches on the device; warm-up excluded; "
               f"timer: {'CUDA events' if device.type == 'cuda' else 'perf_counter'}):")
         print(measure.step_table(steps))
-        if args.peak_tflops is None:
-            print("(util: give --peak_tflops, one device's peak at the variant's precision)")
+        if args.peak_tflops is None or args.peak_tflops_fp32 is None:
+            print("(util: give --peak_tflops and --peak_tflops_fp32, one device's peaks)")
     if pipes:
         print(f"\nInput pipeline alone (images/s delivered to {device.type} at {args.img_size}px; "
               f"best of {args.repeat}, {args.pipeline_batches} timed batches after "

@@ -167,7 +167,8 @@ def test_benchmark_prints_positive_throughput_for_model_and_input_pipeline(tmp_p
     out = tmp_path / "bench.json"
     res = run_script("benchmark", "--no-cuda", "--variants", "train_without,train_DDP_autocast",
                      "--img_size", "64", "--batch_size", "4", "--steps", "2", "--warmup", "1",
-                     "--pipeline_batches", "2", "--peak_tflops", "1", "--json", out,
+                     "--pipeline_batches", "2", "--peak_tflops", "1", "--peak_tflops_fp32",
+                     "0.5", "--json", out,
                      "--dataset_root", tmp_path / "no_cifar")  # -> generated CIFAR-format images
     assert res.returncode == 0, res.describe()
     assert "Training step" in res.stdout and "Input pipeline alone" in res.stdout
@@ -181,6 +182,9 @@ def test_benchmark_prints_positive_throughput_for_model_and_input_pipeline(tmp_p
         assert s["timer"] == "perf_counter" and s["steps"] == 2 and s["warmup"] == 1
     # the same model and batch: the same FLOPs whatever the precision
     assert data["steps"][0]["gflop_per_step"] == pytest.approx(data["steps"][1]["gflop_per_step"])
+    # each precision against its own peak: fp32 against --peak_tflops_fp32
+    for s, peak in zip(data["steps"], (0.5, 1.0)):
+        assert s["utilisation"] == pytest.approx(s["achieved_tflops"] / peak)
     # both input paths, timed by measure.measure_input_pipeline on the same data
     pipes = {p["path"]: p for p in data["pipeline"]}
     assert sorted(pipes) == ["classic", "fast"]

@@ -97,6 +97,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(imagefolder_root, tmp_pat
     rc, out, err = _run_faulty("train_GradScaler",
                                *_tiny(imagefolder_root, ckpt, "--epochs", "2"), env=env)
     assert rc == -signal.SIGKILL
+    assert "killed in save 3 on thread checkpoint" in err, err  # the background writer
     assert list(run_dir.glob(".*.tmp")), "the killed save should have left its temp file"
     before = _load(run_dir / "last.pth")       # the previous checkpoint is intact
     assert before["epoch"] == 1
@@ -120,13 +121,18 @@ def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_p
     state["optimizer"]["param_groups"][0]["lr"] = 3e-4
     state["scheduler"]["num_bad_epochs"] = 2
     state["scaler"]["scale"] = 1024.0
+    # As a non-fused optimizer (another device, an older run) writes it: resuming must keep
+    # the fused AdamW the run builds, which the GradScaler relies on.
+    assert state["optimizer"]["param_groups"][0]["fused"] is True
+    state["optimizer"]["param_groups"][0]["fused"] = None
     torch.save(state, run_dir / "last.pth")
     rc, out, err = run_script("train_GradScaler", *_tiny(imagefolder_root, ckpt, "--epochs", "2",
                                                             "--resume"))
     assert rc == 0, err
     assert "lr 3.00e-04" in out
     assert "scale 1024" in out or "scale 2048" in out
-    assert _load(run_dir / "last.pth")["epoch"] == 2
+    resumed = _load(run_dir / "last.pth")
+    assert resumed["epoch"] == 2 and resumed["optimizer"]["param_groups"][0]["fused"] is True
     assert _epochs_logged(run_dir) == [1, 2]
 
     # Resuming a finished run (in-process, fast): says so, trains nothing, rewrites nothing.
@@ -137,6 +143,26 @@ def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_p
     assert "already trained 2 of --epochs 2; nothing to do" in out, out
     assert "epoch 3" not in out and (run_dir / "last.pth").stat().st_mtime_ns == mtime
     assert _epochs_logged(run_dir) == [1, 2]
+
+
+def test_loading_a_non_fused_state_keeps_the_fused_optimizer():
+    """optimizer.load_state_dict restores the saved group's fused=None; a GradScaler, which
+    chose at construction to let the fused optimizer handle inf/NaN, then hits the foreach
+    path's assertion. ampkit.checkpoint.load_optimizer_state keeps what was built."""
+    from ampkit.checkpoint import load_optimizer_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    old = torch.optim.AdamW(model.parameters(), lr=1e-3)  # foreach, as on another device
+    model(torch.randn(3, 4)).sum().backward()
+    old.step()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    load_optimizer_state(opt, old.state_dict())
+    assert opt.param_groups[0]["fused"] is True and opt.state_dict()["state"]
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    scaler.step(opt)  # the foreach path would raise here
+    scaler.update()
 
 
 # --- signals --------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -62,6 +63,23 @@ def _add_common(p: argparse.ArgumentParser, *, ddp: bool, for_eval: bool) -> Non
                         "classic for ImageFolder")
     p.add_argument("--channels_last", action=argparse.BooleanOptionalAction, default=False,
                    help="use the channels_last memory format for the model and its inputs")
+    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA fp32 math: --tf32 runs fp32 convolutions and matmuls in TF32 "
+                        "(Ampere and newer), --no-tf32 in full fp32. Default: PyTorch's, TF32 "
+                        "convolutions and fp32 matmuls")
+
+
+def save_interval(text: str) -> str:
+    """``--save_every``: a number of epochs, or a duration such as ``30s`` or ``5m``."""
+    if not re.fullmatch(r"\d+[smh]?", text.strip()):
+        raise argparse.ArgumentTypeError(f"expected epochs (2) or a duration (30s, 5m), got {text!r}")
+    return text.strip()
+
+
+def parse_interval(text: str) -> tuple:
+    """``"2"`` -> ``(2, None)`` epochs; ``"5m"`` -> ``(None, 300)`` seconds."""
+    unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1])
+    return (None, int(text[:-1]) * unit) if unit else (int(text), None)
 
 
 def train_parser(variant: str, ddp: bool) -> Parser:
@@ -95,6 +113,11 @@ def train_parser(variant: str, ddp: bool) -> Parser:
                         "one GPU)")
     p.add_argument("--log_every", type=int, default=20,
                    help="steps between reads of the loss on the host (progress bar, checks)")
+    p.add_argument("--save_every", type=save_interval, default="1", metavar="N|Ns|Nm",
+                   help="write last.pth every N epochs, or after the epoch that ends N seconds "
+                        "(Ns) or minutes (Nm) after the previous save; in the background, while "
+                        "training goes on. The last epoch and a stop by a signal always save; "
+                        "0: only they do")
     return p
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -17,13 +18,16 @@ class RunLogger:
     """Prints, TensorBoard and ``log.jsonl`` for the main process; a no-op elsewhere."""
 
     def __init__(self, is_main: bool, tensorboard_dir: Optional[Path] = None,
-                 jsonl_path: Optional[Path] = None, append: bool = False) -> None:
+                 jsonl_path: Optional[Path] = None, resume_epoch: Optional[int] = None) -> None:
+        """``resume_epoch``: a resumed run, whose checkpoint holds that many epochs; the log's
+        rows of later epochs (logged, but not saved before the run stopped) are dropped, as
+        the run trains those epochs again. None: a new run, a new log."""
         self.is_main = is_main
         # Files are opened on first use, so a run that fails before its first epoch
         # neither truncates the previous run's log nor leaves an empty TensorBoard run.
         self.tensorboard_dir = tensorboard_dir if is_main else None
         self.jsonl_path = jsonl_path if is_main else None
-        self.append = append
+        self.resume_epoch = resume_epoch
         self.writer = None
         self.jsonl = None
 
@@ -45,11 +49,34 @@ class RunLogger:
                 self.writer.add_scalar(tag, value, step)
 
     def record(self, row: Dict[str, Any]) -> None:
+        """One JSON line per epoch, written with one write() call: a kill mid-write leaves at
+        most a partial last line, which the next resume drops."""
         if self.jsonl is None and self.jsonl_path is not None:
-            self.jsonl = open(self.jsonl_path, "a" if self.append else "w", encoding="utf-8")
+            kept = "" if self.resume_epoch is None else self._kept_rows()
+            tmp = self.jsonl_path.with_name(f".{self.jsonl_path.name}.tmp")
+            tmp.write_text(kept, encoding="utf-8")
+            os.replace(tmp, self.jsonl_path)  # the old log stays whole until the new one is
+            self.jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()
+
+    def _kept_rows(self) -> str:
+        """The previous log's complete rows of the epochs the resumed checkpoint holds."""
+        kept = []
+        try:
+            lines = self.jsonl_path.read_text(encoding="utf-8").splitlines(keepends=True)
+        except OSError:
+            return ""
+        for line in lines:
+            try:
+                row = json.loads(line) if line.endswith("\n") else None
+            except ValueError:
+                row = None
+            if isinstance(row, dict) and isinstance(row.get("epoch"), int) \
+                    and row["epoch"] <= self.resume_epoch:
+                kept.append(line)
+        return "".join(kept)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -16,7 +16,9 @@ what ``compare.py`` measures end to end).
   ``/proc/self/clear_refs`` before each variant where Linux allows).
 - FLOPs per step: ``torch.utils.flop_counter.FlopCounterMode`` over one forward +
   backward of the bare model (matmuls and convolutions; not the optimizer);
-  utilisation = achieved FLOP/s / (``peak_tflops`` x devices).
+  utilisation = achieved FLOP/s / (peak x devices), where the peak is the precision's
+  own: ``peak_tflops`` (fp16/bf16) for the autocast variants, ``peak_tflops_fp32`` for
+  the fp32 ones, whose math on CUDA is labelled (``fp32_math``: TF32 or true fp32).
 
 Input pipeline (``measure_input_pipeline``): images/s that an input path delivers to
 the device, one epoch after another, first ``warmup`` batches not timed:
@@ -103,6 +105,7 @@ class StepResult:
     steps: int
     channels_last: bool = False
     compiled: bool = False
+    fp32_math: str = ""      # CUDA fp32 variants: "tf32", "fp32" or "tf32 conv, fp32 matmul"
     dp_scope: str = ""       # DP variants: "model" or "features"
     seconds: Optional[float] = None
     step_ms: Optional[float] = None
@@ -111,7 +114,7 @@ class StepResult:
     peak_mem_kind: str = ""
     gflop_per_step: Optional[float] = None
     achieved_tflops: Optional[float] = None
-    utilisation: Optional[float] = None    # fraction of peak_tflops x devices
+    utilisation: Optional[float] = None    # fraction of the precision's peak x devices
     timer: str = ""
     note: str = ""
     status: str = "ok"
@@ -179,14 +182,18 @@ def _result(variant: str, device: torch.device, ddp: Optional[DDPGroup], **kw) -
 def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_size: int,
                     warmup: int, steps: int, amp_dtype: Optional[str] = None,
                     num_classes: int = 10, lr: float = 1e-4,
-                    peak_tflops: Optional[float] = None, ddp: Optional[DDPGroup] = None,
-                    channels_last: bool = False, compile: bool = False,
-                    dp_scope: str = "model") -> StepResult:
+                    peak_tflops: Optional[float] = None,
+                    peak_tflops_fp32: Optional[float] = None, fp32_math: str = "",
+                    ddp: Optional[DDPGroup] = None, channels_last: bool = False,
+                    compile: bool = False, dp_scope: str = "model") -> StepResult:
     """Time ``steps`` training steps of ``variant``'s own ``build()`` after ``warmup`` uncounted
-    ones. ``channels_last``, ``compile`` and ``dp_scope`` are the training flags of those names."""
+    ones. ``channels_last``, ``compile`` and ``dp_scope`` are the training flags of those names;
+    ``fp32_math`` labels the fp32 variants on CUDA (what ``precision.set_tf32`` returned)."""
     info, res = _result(variant, device, ddp, batch_size=batch_size, img_size=img_size,
                         warmup=warmup, steps=steps, channels_last=channels_last,
                         compiled=compile, dp_scope=dp_scope)
+    if res.precision == "fp32" and device.type == "cuda":
+        res.fp32_math = fp32_math
     torch.manual_seed(0)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = alexnet(num_classes=num_classes).to(device, memory_format=fmt)
@@ -198,8 +205,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
              torch.randint(0, num_classes, (batch_size,), generator=gen).to(device))
             for _ in range(min(4, max(steps, 1)))]
     flops = count_step_flops(model, *pool[0])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr,
-                                  fused=True if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # as in training
     v = importlib.import_module(variant).build(
         Parts(device, model, nn.CrossEntropyLoss(), optimizer, amp_dtype, dp_scope))
     res.amp_dtype = str(v.amp_dtype)[6:] if v.amp_dtype is not None else ""
@@ -219,8 +225,9 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     res.images_per_s = stats.images / seconds  # all ranks together
     res.gflop_per_step = flops * info.world_size / 1e9
     res.achieved_tflops = res.gflop_per_step * steps / seconds / 1e3
-    if peak_tflops:
-        res.utilisation = res.achieved_tflops / (peak_tflops * res.devices)
+    peak = peak_tflops_fp32 if res.precision == "fp32" else peak_tflops
+    if peak:
+        res.utilisation = res.achieved_tflops / (peak * res.devices)
     return res  # the caller frees the model (gc.collect, torch.cuda.empty_cache)
 
 
@@ -435,12 +442,13 @@ def _fmt(v: Optional[float], spec: str) -> str:
 
 
 def step_table(results: Sequence[StepResult]) -> str:
-    head = ["variant", "precision", "amp", "dev", "batch", "step ms", "images/s",
+    head = ["variant", "precision", "math", "dev", "batch", "step ms", "images/s",
             "peak MB", "GFLOP/step", "TFLOP/s", "util", "note"]
     rows = []
     for r in results:
         ok = r.status == "ok"
-        rows.append([r.variant, r.precision, r.amp_dtype or "-", f"{r.devices} {r.device}",
+        rows.append([r.variant, r.precision, r.amp_dtype or r.fp32_math or "-",
+                     f"{r.devices} {r.device}",
                      str(r.batch_size), _fmt(r.step_ms, ".1f"), _fmt(r.images_per_s, ".1f"),
                      _fmt(r.peak_mem_mb, ".0f"), _fmt(r.gflop_per_step, ".2f"),
                      _fmt(r.achieved_tflops, ".3f"),

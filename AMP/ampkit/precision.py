@@ -40,6 +40,23 @@ def cpu_has_fast_bf16() -> Optional[bool]:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def set_tf32(enabled: Optional[bool]) -> str:
+    """Apply --tf32 / --no-tf32 to CUDA's fp32 convolutions and matmuls; None keeps PyTorch's
+    defaults. Returns what fp32 math then is, for labels: on Ampere and newer GPUs TF32
+    (10-bit mantissa) is several times faster than fp32, so an "fp32" baseline is only
+    fp32 where it says so."""
+    if enabled is not None:
+        mode = "tf32" if enabled else "ieee"
+        conv = getattr(torch.backends.cudnn, "conv", None)
+        if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9: the new API
+            conv.fp32_precision = mode  # (mixing it with the old flags is an error)
+            torch.backends.cuda.matmul.fp32_precision = mode
+        else:
+            torch.backends.cudnn.allow_tf32 = enabled
+            torch.backends.cuda.matmul.allow_tf32 = enabled
+    return {True: "tf32", False: "fp32"}.get(enabled, "tf32 conv, fp32 matmul")
+
+
 class SkippedSteps:
     """Counts the optimizer steps a GradScaler skipped (inf/NaN gradients), on the device.
 

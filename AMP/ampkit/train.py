@@ -26,14 +26,17 @@ from torch import nn
 from alexnet import alexnet
 
 from . import checkpoint as ckpt_io
-from .config import args_to_plain, parse_train_args
+from .config import args_to_plain, parse_interval, parse_train_args
 from .data import build_loaders
 from .distributed import cleanup, setup
 from .engine import EpochStats, Parts, StopFlag, Variant, count_correct, train_one_epoch
 from .errors import UserError
 from .log import RunLogger, format_duration
 from .measure import peak_memory_mb
-from .precision import SkippedSteps, cpu_has_fast_bf16
+from .precision import SkippedSteps, cpu_has_fast_bf16, set_tf32
+
+# What only resuming needs: last.pth has it, best.pth (weights and metadata) does not.
+RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng")
 
 
 def _resume_path(args, run_dir: Path) -> Optional[Path]:
@@ -71,6 +74,10 @@ class Trainer:
         torch.manual_seed(args.seed + info.rank)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its kernels
+            self.fp32_math = set_tf32(args.tf32)
+        self.writer, self.pending_best = ckpt_io.BackgroundWriter(), None
+        self.snapshots = {"last": ckpt_io.Snapshot(), "best": ckpt_io.Snapshot()}
+        self.last_save = time.perf_counter()
         self.run_dir = args.checkpoint / self.variant
         self.tb_dir = None
         if info.is_main:
@@ -80,18 +87,16 @@ class Trainer:
                 self.tb_dir = (ckpt_io.prepare_run_dir(args.tensorboard_log / self.variant)
                                / time.strftime("%Y%m%d-%H%M%S"))
         self.resume_path = _resume_path(args, self.run_dir)
-        self.logger = RunLogger(info.is_main, self.tb_dir, self.run_dir / "log.jsonl",
-                                append=self.resume_path is not None)
         self.data = build_loaders(args.dataset, args.dataset_root, args.img_size, args.batch_size,
                                   info, loader=args.loader, num_workers=args.num_workers,
                                   seed=args.seed, channels_last=args.channels_last)
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
         model = alexnet(pretrained=args.pretrained, num_classes=self.data.num_classes)
         model = model.to(device, memory_format=self.input_format)
-        # fused: one kernel for all parameters; with a GradScaler it also takes the inf/NaN
-        # flag on the device, so scaler.step() does not sync the host (it does otherwise).
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr,
-                                      fused=True if device.type == "cuda" else None)
+        # fused: one kernel for all parameters (on the CPU too: several times faster than the
+        # default there); with a GradScaler it also takes the inf/NaN flag on the device, so
+        # scaler.step() does not sync the host (it does otherwise).
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
         self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max",
                                                                     patience=3)
         self.parts = Parts(device, model, nn.CrossEntropyLoss(), optimizer, args.amp_dtype,
@@ -100,6 +105,8 @@ class Trainer:
         self.scaler_state = None
         if self.resume_path is not None:
             self._load_resume_state()
+        self.logger = RunLogger(info.is_main, self.tb_dir, self.run_dir / "log.jsonl",
+                                resume_epoch=self.epoch if self.resume_path else None)
 
     def _load_resume_state(self) -> None:
         """Load a checkpoint's model, optimizer, schedule, counters and RNG; the GradScaler's
@@ -109,7 +116,7 @@ class Trainer:
         if "optimizer" not in state:
             raise UserError(f"{path}: holds weights only (no optimizer state); cannot resume")
         ckpt_io.load_weights(parts.model, state, path)
-        parts.optimizer.load_state_dict(state["optimizer"])
+        ckpt_io.load_optimizer_state(parts.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.epoch, self.step = int(state["epoch"]), int(state.get("step", 0))
         self.best_acc = float(state.get("best_acc", -1.0))
@@ -123,9 +130,12 @@ class Trainer:
     # ------------------------------------------------------------------ the run
     def fit(self, build: Callable[[Parts], Variant]) -> None:
         """Build the variant with the script's ``build``, then train it for ``--epochs``."""
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             code = self._fit(build)
         finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
             self.logger.close()
             cleanup(self.info)
         if code:
@@ -144,12 +154,15 @@ class Trainer:
             stats = self._train_epoch(v, epoch)
             train_seconds += stats.seconds
             if stats.stopped_at is not None:
-                self._save(v, epoch, stats.stopped_at, val_acc=None)
+                self._save(v, epoch, stats.stopped_at, val_acc=None, now=True)
                 self.logger.print(f"stopped by {self.stop.signal_name} at epoch {epoch + 1}, step "
                                   f"{stats.stopped_at}; saved {self.run_dir / ckpt_io.LAST}. "
                                   "Continue with --resume")
                 return 128 + int(getattr(signal, self.stop.signal_name or "SIGTERM"))
             self._end_epoch(v, epoch, stats)
+        self.writer.wait()  # the last save, which may still be in flight
+        if self.info.is_main:
+            ckpt_io.remove_spares(self.run_dir)
         self.logger.print(
             f"done: {self.variant}, {args.epochs} epochs, "
             f"{format_duration(time.perf_counter() - t_start)} (training alone "
@@ -185,7 +198,8 @@ class Trainer:
             f"{self.variant}: {args.dataset} ({d.train_size} train / {d.val_size} val images, "
             f"{d.num_classes} classes) at {args.img_size}px on {parts.device}"
             f"{f' x{info.world_size} processes' if info.distributed else ''}{gpus}, "
-            f"precision {v.precision}{f' ({str(v.amp_dtype)[6:]})' if v.amp_dtype else ''}, "
+            f"precision {v.precision}{f' ({str(v.amp_dtype)[6:]})' if v.amp_dtype else ''}"
+            f"{f' ({self.fp32_math})' if v.amp_dtype is None and parts.device.type == 'cuda' else ''}, "
             f"batch {args.batch_size}{' per process' if info.distributed else ''}, "
             f"{d.kind} loader")
         return v
@@ -225,7 +239,7 @@ class Trainer:
         epoch_seconds = time.perf_counter() - self.t_epoch
         if val_acc > self.best_acc:
             self.best_acc, self.best_epoch = val_acc, epoch + 1
-        self._save(v, epoch + 1, 0, val_acc=val_acc)
+        save = self._save(v, epoch + 1, 0, val_acc=val_acc)
         scale = v.scaler.get_scale() if v.scaler is not None else None
         # The largest of all ranks (a collective: every rank computes it) and, under
         # DataParallel, of all the GPUs it uses.
@@ -242,7 +256,7 @@ class Trainer:
                "epoch_time": epoch_seconds, "train_time": stats.seconds,
                "data_time": stats.data_seconds, "images_per_s": stats.images_per_s,
                "skipped_steps": stats.skipped, "peak_mem_mb": peak_mem,
-               "peak_mem_kind": "cuda_allocated" if device.type == "cuda" else "max_rss"}
+               "peak_mem_kind": "cuda_allocated" if device.type == "cuda" else "max_rss"} | save
         self.logger.record(row | ({"grad_scale": scale} if scale is not None else {}))
         self.logger.scalars({"train/loss": stats.loss, "train/lr": self.lr,
                              "val/accuracy": val_acc, "time/epoch_seconds": epoch_seconds,
@@ -250,26 +264,52 @@ class Trainer:
                             | ({"amp/grad_scale": scale, "amp/skipped_steps": stats.skipped}
                                if scale is not None else {}), epoch + 1)
 
-    def _save(self, v: Variant, epoch: int, step: int, val_acc: Optional[float]) -> None:
-        """last.pth: the full state after ``epoch`` epochs and ``step`` steps; best.pth: the
-        weights and metadata, when this epoch's accuracy is the best so far (written first,
-        so last.pth is the newest file)."""
-        if not self.info.is_main:
-            return
+    def _save(self, v: Variant, epoch: int, step: int, val_acc: Optional[float],
+              now: bool = False) -> dict:
+        """Hand last.pth (the full state after ``epoch`` epochs and ``step`` steps) and, if this
+        epoch's accuracy is the best so far, best.pth (weights and metadata) to the background
+        writer: as --save_every says (epochs, or time since the last save), after the last
+        epoch, and ``now`` (a stop, which also waits for the write). A best epoch between saves is kept in memory until the
+        next save. Returns the save's timing for the epoch's log row (rank 0)."""
+        every_epochs, every_seconds = parse_interval(self.args.save_every)
+        is_best = val_acc is not None and self.best_epoch == epoch
+        due = (now or epoch == self.args.epochs
+               or (every_epochs and epoch % every_epochs == 0)
+               or (every_seconds and time.perf_counter() - self.last_save >= every_seconds))
+        if not self.info.is_main or not (is_best or due):
+            return {}
+        # The snapshot buffers are the ones the previous save is written from: wait for it.
+        timing = {"save_wait_s": self.writer.wait(),  # 0: the previous save overlapped training
+                  "save_write_s": self.writer.write_seconds}  # how long that write took
+        t0 = time.perf_counter()
+        state = self._state(v, epoch, step, val_acc, resume=due)
+        if is_best:
+            self.pending_best = self.snapshots["best"].take(
+                {k: x for k, x in state.items() if k not in RESUME_ONLY})
+        if due:  # best.pth first, so last.pth is the newest file
+            best = [(self.pending_best, self.run_dir / ckpt_io.BEST)] if self.pending_best else []
+            self.pending_best = None
+            self.writer.submit(best + [(self.snapshots["last"].take(state),
+                                        self.run_dir / ckpt_io.LAST)])
+            self.last_save = time.perf_counter()
+            if now:
+                self.writer.wait()
+        timing["save_snapshot_s"] = time.perf_counter() - t0
+        return timing
+
+    def _state(self, v: Variant, epoch: int, step: int, val_acc: Optional[float],
+               resume: bool) -> dict:
+        """The checkpoint's content (live tensors); ``resume``: with what only resuming needs."""
         device = self.parts.device
-        rng = {"torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-        state = {"model": ckpt_io.model_state(v.model),
-                 "optimizer": self.parts.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(),
-                 "scaler": v.scaler.state_dict() if v.scaler is not None else None,
-                 "epoch": epoch, "step": step, "best_acc": self.best_acc,
-                 "best_epoch": self.best_epoch, "val_acc": val_acc,
+        state = {"model": ckpt_io.model_state(v.model), "epoch": epoch, "step": step,
+                 "best_acc": self.best_acc, "best_epoch": self.best_epoch, "val_acc": val_acc,
                  "num_classes": self.data.num_classes, "variant": self.variant,
-                 "args": args_to_plain(self.args), "rng": rng,
-                 "torch_version": str(torch.__version__)}
-        if val_acc is not None and self.best_epoch == epoch:
-            best = {k: x for k, x in state.items()
-                    if k not in ("optimizer", "scheduler", "scaler", "rng")}
-            ckpt_io.atomic_save(best, self.run_dir / ckpt_io.BEST)
-        ckpt_io.atomic_save(state, self.run_dir / ckpt_io.LAST)
+                 "args": args_to_plain(self.args), "torch_version": str(torch.__version__)}
+        if resume:
+            state |= {"optimizer": self.parts.optimizer.state_dict(),
+                      "scheduler": self.scheduler.state_dict(),
+                      "scaler": v.scaler.state_dict() if v.scaler is not None else None,
+                      "rng": {"torch": torch.get_rng_state(),
+                              "cuda": (torch.cuda.get_rng_state(device)
+                                       if device.type == "cuda" else None)}}
+        return state

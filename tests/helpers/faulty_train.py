@@ -6,12 +6,14 @@ Environment:
   FAULT_EXIT_AT_STEP=N   this process dies (os._exit(1), no cleanup) at optimizer step N ...
   FAULT_RANK=R           ... only on global rank R (default 0) ...
   FAULT_MARKER=PATH      ... and only once: the marker file records that it happened.
-  FAULT_KILL_IN_SAVE=N   SIGKILL this process half-way through writing its N-th checkpoint file.
+  FAULT_KILL_IN_SAVE=N   SIGKILL this process half-way through writing its N-th checkpoint file
+                         (saying on stderr which thread was writing it).
 """
 import importlib
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "AMP"))
@@ -45,6 +47,8 @@ if kill_in_save:
         if saves == kill_in_save:
             f.write(b"PK\x03\x04 half a checkpoint")
             f.flush()
+            print(f"killed in save {saves} on thread {threading.current_thread().name}",
+                  file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return original_save(obj, f, *args, **kwargs)
 

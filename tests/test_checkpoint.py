@@ -1,0 +1,89 @@
+"""Checkpoint writing off the training loop's path: snapshots into kept buffers, a background
+writer, the --save_every policy, and atomic writes through a spare file."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ampkit import checkpoint as ckpt_io
+
+
+def test_atomic_save_with_spare_rotates_and_rewrites_in_place(tmp_path):
+    path, spare = tmp_path / "last.pth", tmp_path / ".last.pth.spare"
+    for epoch in (1, 2, 3, 4):
+        ckpt_io.atomic_save({"epoch": epoch, "w": torch.full((1000,), float(epoch))}, path,
+                            spare=True)
+        assert torch.load(path, weights_only=True)["epoch"] == epoch
+        if epoch >= 2:  # the version before the current one is kept to be rewritten
+            assert torch.load(spare, weights_only=True)["epoch"] == epoch - 1
+    inode = spare.stat().st_ino
+    ckpt_io.atomic_save({"epoch": 5, "w": torch.zeros(10)}, path, spare=True)  # shorter
+    assert path.stat().st_ino == inode, "the spare's file was rewritten in place and swapped in"
+    assert torch.load(path, weights_only=True)["epoch"] == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".last.pth.spare", "last.pth"]
+    ckpt_io.remove_spares(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pth"]
+
+
+def test_snapshot_reuses_its_buffers_and_is_independent_of_the_source():
+    live = {"model": {"w": torch.ones(4)}, "optimizer": {"state": {0: {"m": torch.zeros(3)}},
+                                                         "param_groups": [{"lr": 0.1}]}}
+    snap = ckpt_io.Snapshot()
+    first = snap.take(live)
+    live["model"]["w"].add_(1)  # training goes on
+    assert torch.equal(first["model"]["w"], torch.ones(4))
+    assert first["optimizer"]["param_groups"] == [{"lr": 0.1}]
+    second = snap.take(live)
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # same buffer
+    assert torch.equal(second["model"]["w"], torch.full((4,), 2.0))
+
+
+def test_background_writer_reports_an_error_at_the_next_wait(tmp_path):
+    writer = ckpt_io.BackgroundWriter()
+    writer.submit([({"x": torch.zeros(1)}, tmp_path / "missing" / "last.pth")])
+    with pytest.raises(OSError):
+        writer.wait()
+    writer.wait()  # reported once
+
+
+@pytest.mark.parametrize("save_every,expected", [
+    ("2", [("best.pth", 1), ("last.pth", 2), ("best.pth", 3), ("last.pth", 3)]),
+    ("1", [("best.pth", 1), ("last.pth", 1), ("last.pth", 2), ("best.pth", 3), ("last.pth", 3)]),
+    ("0", [("best.pth", 3), ("last.pth", 3)]),
+])
+def test_save_every_policy_and_background_thread(save_every, expected, imagefolder_root,
+                                                 tmp_path, monkeypatch):
+    """In-process, 3 epochs of one step. Validation accuracy is forced to 0.5, 0.4, 0.6:
+    epochs 1 and 3 are the best. A best epoch between saves is written by the next save."""
+    import train_without
+    from ampkit import train
+
+    writes = []
+    original = ckpt_io.atomic_save
+
+    def recording(obj, path, spare=False):
+        writes.append((path.name, obj["epoch"], threading.current_thread().name))
+        original(obj, path, spare)
+
+    accuracies = iter([0.5, 0.4, 0.6])
+    real_count = train.count_correct
+
+    def forced(*args, **kwargs):
+        counts = real_count(*args, **kwargs)
+        counts[0] = int(next(accuracies) * 1000)
+        counts[1] = 1000
+        return counts
+
+    monkeypatch.setattr(ckpt_io, "atomic_save", recording)
+    monkeypatch.setattr(train, "count_correct", forced)
+    train_without.main(["--dataset", "ImageFolder", "--dataset_root", str(imagefolder_root),
+                        "--img_size", "64", "--batch_size", "48", "--epochs", "3", "--no-cuda",
+                        "--no-tensorboard", "--checkpoint", str(tmp_path),
+                        "--save_every", save_every])
+    assert [(name, epoch) for name, epoch, _ in writes] == expected
+    assert {thread for *_, thread in writes} == {"checkpoint"}, "written in the background"
+    run_dir = tmp_path / "train_without"
+    assert torch.load(run_dir / "best.pth", weights_only=True)["val_acc"] == pytest.approx(0.6)
+    assert not list(run_dir.glob(".*")), "no spare or temporary file is left"
