@@ -134,7 +134,8 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
                     variant, device=device, batch_size=args.batch_size, img_size=args.img_size,
                     warmup=args.warmup, steps=args.steps, amp_dtype=args.amp_dtype,
                     num_classes=args.num_classes, lr=args.lr, peak_tflops=args.peak_tflops,
-                    peak_tflops_fp32=args.peak_tflops_fp32, fp32_math=fp32_math, ddp=ddp, channels_last=args.channels_last, compile=args.compile,
+                    peak_tflops_fp32=args.peak_tflops_fp32, fp32_math=fp32_math, ddp=ddp,
+                    channels_last=args.channels_last, compile=args.compile,
                     dp_scope=args.dp_scope)
                 print(f"  {variant}: {r.step_ms:.1f} ms/step, {r.images_per_s:.1f} images/s",
                       flush=True)

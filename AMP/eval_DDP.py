@@ -1,6 +1,6 @@
 """Evaluate an AlexNet checkpoint in several processes, each counting its own shard, exactly.
 
-    torchrun --nproc_per_node=2 AMP/eval_DDP.py                  # the newest checkpoint under checkpoint/
+    torchrun --nproc_per_node=2 AMP/eval_DDP.py  # newest last.pth in checkpoint/
     torchrun --nproc_per_node=2 AMP/eval_DDP.py --checkpoint checkpoint/train_DP_autocast/best.pth
     python AMP/eval_DDP.py                                       # one process
 

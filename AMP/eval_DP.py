@@ -1,6 +1,6 @@
 """Evaluate an AlexNet checkpoint with nn.DataParallel: each test batch split over all visible GPUs.
 
-    python AMP/eval_DP.py                                        # the newest checkpoint under checkpoint/
+    python AMP/eval_DP.py                        # newest last.pth in checkpoint/
     python AMP/eval_DP.py --checkpoint checkpoint/train_DDP/best.pth --autocast --batch_size 256
 
 The checkpoint holds the bare model's weights: they are loaded into the model first, and the

@@ -1,6 +1,6 @@
 """Evaluate an AlexNet checkpoint on one device: top-1 accuracy on the test split.
 
-    python AMP/eval_without.py                                   # the newest checkpoint under checkpoint/
+    python AMP/eval_without.py                   # newest last.pth in checkpoint/
     python AMP/eval_without.py --checkpoint checkpoint/train_DP_autocast/best.pth --autocast
 
 Every variant's checkpoint loads here (weights are saved without DataParallel's or DDP's

@@ -236,8 +236,8 @@ def test_two_nodes_on_localhost_train_to_the_end(imagefolder_root, tmp_path):
     printed = "".join(out for out, _ in outs)
     assert printed.count("epoch 1/1  train_loss") == 1, "only global rank 0 prints"
     assert "x2 processes" in printed
-    assert sorted(p.name for p in (ckpt / "train_DDP").iterdir()) == ["best.pth", "last.pth",
-                                                                      "log.jsonl"]
+    assert sorted(p.name for p in (ckpt / "train_DDP").iterdir()) == [".lock", "best.pth",
+                                                                      "last.pth", "log.jsonl"]
     assert len(list((tb / "train_DDP").iterdir())) == 1, "one TensorBoard run, from rank 0"
 
 

@@ -168,7 +168,7 @@ def test_train_script_runs_end_to_end(variant, runs):
 
     # Checkpoint folder: last.pth, best.pth, log.jsonl and nothing half-written.
     names = sorted(p.name for p in run.run_dir.iterdir())
-    assert names == ["best.pth", "last.pth", "log.jsonl"], names
+    assert names == [".lock", "best.pth", "last.pth", "log.jsonl"], names
     rows = run.log_rows()
     assert [r["epoch"] for r in rows] == list(range(1, run.epochs + 1))
     for row, (_, _, loss, acc, correct, total) in zip(rows, lines):

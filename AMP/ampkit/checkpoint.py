@@ -9,18 +9,25 @@
 - Saves leave the training loop's path: :class:`Snapshot` copies the state to CPU
   memory (the loop goes on changing the live tensors), and :class:`BackgroundWriter`
   writes the copy in a thread while the next epoch trains, one save at a time.
+- A save checks the free space first, and a full disk is one line saying how much is
+  needed and free, and where; the previous files stay valid. last.pth is written before
+  best.pth, so there is never a best.pth without a last.pth to resume from.
 - Loads use ``torch.load(weights_only=True)``: a file carrying pickled callables
   is refused without running them. Every failure is one line naming the file.
+- :class:`RunLock`: one run per run folder.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
-import pickle
+import shutil
+import socket
 import tempfile
 import threading
 import time
-import zipfile
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -70,6 +77,7 @@ def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
     """
     path = Path(path)
     spare_path = path.with_name(f".{path.name}.spare")
+    check_space(obj, path, spare_path if spare and spare_path.is_file() else None)
     if spare and spare_path.is_file():
         tmp, f = spare_path, open(spare_path, "r+b")
     else:
@@ -82,9 +90,14 @@ def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
             f.flush()
             os.fsync(f.fileno())
         _replace(tmp, path, spare_path if spare else None)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if _out_of_space(e):
+            needed, free = _nbytes(obj), _free(path.parent) or 0
+            if free < needed or isinstance(e, OSError):
+                raise DiskFull(path, needed, free) from None
+            raise UserError(f"cannot save {path}: the write failed ({_first_line(e)})") from None
         raise
     # Persist the rename itself (the directory entry).
     with contextlib.suppress(OSError):
@@ -93,6 +106,57 @@ def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+class DiskFull(UserError):
+    """A checkpoint does not fit on its disk: one line, how much is needed and free, where."""
+
+    def __init__(self, path: Path, needed: int, free: int) -> None:
+        kept = f"the previous {path.name} is unchanged" if path.is_file() else \
+            f"nothing was written to {path.name}"
+        super().__init__(f"cannot save {path}: it needs {_mb(needed)} and {path.parent} has "
+                         f"{_mb(free)} free; {kept}. Free some space, or give --checkpoint a "
+                         "folder on another disk, then --resume")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.0f} MB"
+
+
+def _nbytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj``, plus 1 MB for the rest of the file."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values()) + (2**20 if obj else 0)
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _free(folder: Path) -> Optional[int]:
+    """Free bytes on ``folder``'s file system; None where that cannot be known."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """ENOSPC or EDQUOT, as an OSError, or as the RuntimeError torch.save's writer raises."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(e, RuntimeError) and ("No space left" in str(e) or "unexpected pos" in str(e))
+
+
+def check_space(obj: Any, path: Path, spare: Optional[Path] = None) -> None:
+    """Fail fast, before writing, when ``obj`` cannot fit beside ``path`` (a spare that is
+    rewritten in place already holds its size)."""
+    needed, free = _nbytes(obj), _free(path.parent)
+    if free is not None:
+        free += spare.stat().st_size if spare is not None else 0
+        if free < needed:
+            raise DiskFull(path, needed, free)
 
 
 def _replace(new: Path, path: Path, spare: Optional[Path]) -> None:
@@ -166,8 +230,12 @@ class BackgroundWriter:
         self.write_seconds: Optional[float] = None  # duration of the last finished write
 
     def submit(self, files: List[Tuple[Any, Path]]) -> None:
-        """Start writing ``files`` (snapshots) in this order, once the previous save is done."""
+        """Start writing ``files`` (snapshots) in this order, once the previous save is done.
+        A save that cannot fit on its disk fails here, in the caller's thread, at once."""
         self.wait()
+        for obj, path in files:
+            spare = path.with_name(f".{path.name}.spare")
+            check_space(obj, path, spare if spare.is_file() else None)
         self._thread = threading.Thread(target=self._write, args=(files,), name="checkpoint")
         self._thread.start()
 
@@ -198,19 +266,11 @@ def load(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path}: no such checkpoint file")
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        # "Unsupported global": the file names a Python callable/class, refused unrun.
-        # Anything else (bad opcode, garbage bytes) means the file is not a checkpoint.
-        # torch's message opens with advice about weights_only; the cause follows the marker.
-        detail = str(e).split("WeightsUnpickler error:", 1)[-1]
-        if "global" in detail.lower():
-            raise UserError(f"{path}: refused: it holds pickled Python objects, which "
-                            "weights_only loading does not run (not a plain checkpoint)") from None
-        reason = detail.strip().splitlines()[0][:200] if detail.strip() else _first_line(e)
-        raise UserError(f"{path}: not a PyTorch checkpoint ({reason})") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-        raise UserError(f"{path}: truncated or corrupt checkpoint ({_first_line(e)})") from None
+        with warnings.catch_warnings():  # odd pickle protocols in a foreign file warn first
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # whatever the unpickler raises on bytes that are not a checkpoint
+        raise UserError(f"{path}: {_load_failure(e)}") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         ckpt = dict(obj)
     elif isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -220,6 +280,21 @@ def load(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:
                         f"found {type(obj).__name__})")
     ckpt["model"] = strip_prefixes(ckpt["model"])
     return ckpt
+
+
+def _load_failure(e: Exception) -> str:
+    """Why torch.load failed, in a few words (torch's weights_only advice is not the cause)."""
+    text = str(e)
+    lines = [ln.strip() for ln in text.split("WeightsUnpickler error:", 1)[-1].splitlines()
+             if ln.strip() and not ln.startswith(("Weights only load failed", "Check the doc"))]
+    unpickling = type(e).__name__ == "UnpicklingError" or "WeightsUnpickler error:" in text
+    if unpickling and "global" in text.lower():
+        # "unsupported GLOBAL": the file names a Python callable or class, refused unrun.
+        return ("refused: it holds pickled Python objects, which weights_only loading does "
+                "not run (not a plain checkpoint)")
+    if unpickling:
+        return f"not a PyTorch checkpoint ({(lines or [type(e).__name__])[0][:200]})"
+    return f"truncated or corrupt checkpoint ({_first_line(e)})"
 
 
 def checkpoint_num_classes(ckpt: Dict[str, Any]) -> Optional[int]:
@@ -257,22 +332,24 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]
         group.update(flags)
 
 
-def newest(folder: Path) -> Path:
-    """The most recently written ``.pth`` under ``folder`` (recursively)."""
+def newest(folder: Path, flag: str = "--checkpoint") -> Path:
+    """The most recently written ``last.pth`` under ``folder`` (recursively): the end of the
+    newest run; or, where there is none, the newest ``.pth``."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise UserError(f"--checkpoint {folder}: no such file or folder")
+        raise UserError(f"{flag} {folder}: no such file or folder")
     files = [p for p in folder.rglob("*.pth") if p.is_file() and not p.name.startswith(".")]
     if not files:
-        raise UserError(f"--checkpoint {folder}: no .pth checkpoint in this folder "
-                        "(train first, or pass --checkpoint FILE)")
-    return max(files, key=lambda p: p.stat().st_mtime_ns)
+        raise UserError(f"{flag} {folder}: no .pth checkpoint in this folder "
+                        f"(train first, or pass {flag} FILE)")
+    last = [p for p in files if p.name == LAST]
+    return max(last or files, key=lambda p: p.stat().st_mtime_ns)
 
 
-def resolve(path: Path) -> Path:
-    """``--checkpoint`` of an eval script: a file, or a folder whose newest .pth is used."""
+def resolve(path: Path, flag: str = "--checkpoint") -> Path:
+    """A checkpoint flag's value: a file, or a folder whose newest last.pth is used."""
     path = Path(path)
-    return path if path.is_file() else newest(path)
+    return path if path.is_file() else newest(path, flag)
 
 
 def remove_stale_temps(folder: Path) -> None:
@@ -301,3 +378,29 @@ def prepare_run_dir(path: Path) -> Path:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+class RunLock:
+    """One run per run folder: an exclusive ``flock`` on ``<folder>/.lock``, which the OS
+    releases when the process ends in any way (SIGKILL included), so a crashed run never
+    leaves a stale lock behind. The file names its holder for the run that is refused."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = Path(folder) / ".lock"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 500).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise UserError(f"{folder} is in use by another run ({holder}); let it finish, or "
+                            "give this run another --checkpoint folder") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, started "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        self.fd: Optional[int] = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the file releases the lock
+            self.fd = None

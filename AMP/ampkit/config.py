@@ -63,6 +63,10 @@ def _add_common(p: argparse.ArgumentParser, *, ddp: bool, for_eval: bool) -> Non
                         "classic for ImageFolder")
     p.add_argument("--channels_last", action=argparse.BooleanOptionalAction, default=False,
                    help="use the channels_last memory format for the model and its inputs")
+    p.add_argument("--skip_bad_images", action="store_true",
+                   help="leave out images that cannot be read (corrupt, truncated, no "
+                        "permission) and list them after each epoch, instead of stopping at "
+                        "the first with an error naming it")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA fp32 math: --tf32 runs fp32 convolutions and matmuls in TF32 "
                         "(Ampere and newer), --no-tf32 in full fp32. Default: PyTorch's, TF32 "
@@ -72,7 +76,8 @@ def _add_common(p: argparse.ArgumentParser, *, ddp: bool, for_eval: bool) -> Non
 def save_interval(text: str) -> str:
     """``--save_every``: a number of epochs, or a duration such as ``30s`` or ``5m``."""
     if not re.fullmatch(r"\d+[smh]?", text.strip()):
-        raise argparse.ArgumentTypeError(f"expected epochs (2) or a duration (30s, 5m), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected epochs (2) or a duration (30s, 5m), got {text!r}")
     return text.strip()
 
 
@@ -95,7 +100,12 @@ def train_parser(variant: str, ddp: bool) -> Parser:
     p.add_argument("--checkpoint", type=Path, default=CHECKPOINT_DIR,
                    help="checkpoint folder; this run writes <it>/<variant>/{last,best}.pth")
     p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH",
-                   help="continue a run from a checkpoint (no PATH: this variant's last.pth)")
+                   help="continue a run from a checkpoint (no PATH: this variant's last.pth); "
+                        "it must come from a run of this variant with the same data, image "
+                        "size and global batch size")
+    p.add_argument("--init_from", type=Path, default=None, metavar="PATH",
+                   help="start a new run (epoch 1, fresh optimizer) from another checkpoint's "
+                        "weights")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--pretrained", action="store_true",
                    help="start from torchvision's ImageNet weights (downloaded via torch.hub)")
@@ -126,7 +136,7 @@ def eval_parser(variant: str, ddp: bool) -> Parser:
                formatter_class=_formatter)
     _add_common(p, ddp=ddp, for_eval=True)
     p.add_argument("--checkpoint", type=Path, default=CHECKPOINT_DIR,
-                   help="a checkpoint file, or a folder: its newest .pth is evaluated")
+                   help="a checkpoint file, or a folder: its newest last.pth is evaluated")
     p.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=False,
                    help="evaluate under autocast (see --amp_dtype)")
     return p
@@ -156,6 +166,9 @@ def parse_train_args(variant: str, ddp: bool,
         raise UserError(f"--lr must be a finite number >= 0, got {args.lr}")
     if args.log_every <= 0:
         raise UserError(f"--log_every must be a positive integer, got {args.log_every}")
+    if args.resume and args.init_from:
+        raise UserError("--resume continues a run, --init_from starts a new one from a "
+                        "checkpoint's weights: give one of them")
     return args
 
 

@@ -18,14 +18,17 @@ import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torchvision
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset, DistributedSampler, Sampler, default_collate
 from torchvision import transforms
+from torchvision.datasets.utils import extract_archive
 
 from .distributed import DistInfo
-from .errors import UserError
+from .errors import RankError, UserError
 
 # ImageNet statistics: standard for AlexNet and what its pretrained weights expect.
 MEAN = (0.485, 0.456, 0.406)
@@ -63,15 +66,52 @@ def build_transform(img_size: int, train: bool) -> transforms.Compose:
     return transforms.Compose(steps)
 
 
+CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
+
+
+def _broken_cifar_file(folder: Path) -> Optional[Tuple[Path, str]]:
+    """The first extracted CIFAR-10 file that cannot be read as one, and why; None if all can."""
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for name in names + ["batches.meta"]:
+        path = folder / name
+        try:
+            with open(path, "rb") as f:
+                entry = pickle.load(f, encoding="latin1")
+            if name in names:
+                images = np.asarray(entry["data"]).reshape(-1, 3, 32, 32)
+                if len(entry["labels"]) != len(images):
+                    raise ValueError(f"{len(images)} images but {len(entry['labels'])} labels")
+        except Exception as e:  # whatever a broken pickle raises
+            return path, (str(e).splitlines() or [type(e).__name__])[0][:160]
+    return None
+
+
 def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
+    """torchvision's CIFAR-10 under ``root``. Broken extracted files are named, and extracted
+    again from the archive when it lies beside them (by the process allowed to download)."""
     try:
         return CIFAR10(str(root), train=train, transform=transform, download=download)
-    except Exception as e:  # URLError, socket errors, bad archive, ... : one line for the user
+    except Exception as e:  # URLError, socket errors, bad archive, broken files: one line
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    folder, archive = Path(root) / CIFAR10.base_folder, Path(root) / CIFAR_ARCHIVE
+    broken = _broken_cifar_file(folder) if folder.is_dir() else None
+    if broken is None:
         raise UserError(
             f"CIFAR-10 is not in {root} and could not be downloaded ({reason}). Without a "
-            f"network, put cifar-10-python.tar.gz (from https://www.cs.toronto.edu/~kriz/) in "
-            f"{root}, or use --dataset ImageFolder or --dataset FakeData") from None
+            f"network, put {CIFAR_ARCHIVE} (from https://www.cs.toronto.edu/~kriz/) in "
+            f"{root}, or use --dataset ImageFolder or --dataset FakeData")
+    path, why = broken
+    if download and archive.is_file():
+        try:
+            extract_archive(str(archive), str(root))
+            data = CIFAR10(str(root), train=train, transform=transform, download=False)
+            print(f"{path} was broken ({why}): extracted it again from {archive}", flush=True)
+            return data
+        except Exception as e2:
+            why += f"; extracting {archive} again did not help: {(str(e2).splitlines() or [''])[0]}"
+    raise UserError(f"{path}: a broken CIFAR-10 file ({why}). Delete {folder} and run again to "
+                    f"download CIFAR-10, or put a good {CIFAR_ARCHIVE} in {root} to extract it "
+                    "again")
 
 
 def check_cifar_root(root: Path) -> None:
@@ -79,14 +119,62 @@ def check_cifar_root(root: Path) -> None:
         raise UserError(f"--dataset_root {root} is a file, not a folder")
 
 
-def _image_folder(root: Path, split: str, transform) -> torchvision.datasets.ImageFolder:
+class BadImage(RankError):
+    """An image file that cannot be read: corrupt, truncated, not an image, no permission."""
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """Stands in a sample for an image that could not be read: its path, and why."""
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.reason})"
+
+
+class ImageFolder(torchvision.datasets.ImageFolder):
+    """torchvision's ImageFolder whose unreadable images become :class:`Unreadable` samples:
+    raised inside a DataLoader worker, their error would reach the user as a traceback,
+    without the file's name in its last line."""
+
+    def __getitem__(self, index: int):
+        path, target = self.samples[index]
+        try:
+            with open(path, "rb") as f:
+                image = Image.open(f).convert("RGB")  # decodes it all: truncation shows here
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            reason = ("not an image file PIL can read" if isinstance(e, UnidentifiedImageError)
+                      else e.strerror if isinstance(e, PermissionError)
+                      else (str(e).splitlines() or [type(e).__name__])[0])
+            return Unreadable(path, reason), target
+        return (self.transform(image) if self.transform else image), target
+
+
+def collate_readable(batch: list) -> Tuple[Optional[object], Optional[object], List[Unreadable]]:
+    """``(images, targets)`` of the readable samples (None, None if there is none), and the
+    unreadable ones."""
+    bad = [x for x, _ in batch if isinstance(x, Unreadable)]
+    good = [(x, y) for x, y in batch if not isinstance(x, Unreadable)]
+    images, targets = default_collate(good) if good else (None, None)
+    return images, targets, bad
+
+
+def _image_folder(root: Path, split: str, transform) -> ImageFolder:
     folder = root / split
     if not folder.is_dir():
         raise UserError(f"--dataset ImageFolder expects {folder}/ with one folder per class "
                         f"(and {root / ('val' if split == 'train' else 'train')}/ beside it)")
     try:
-        return torchvision.datasets.ImageFolder(str(folder), transform=transform)
-    except (FileNotFoundError, RuntimeError) as e:
+        for entry in os.scandir(folder):  # os.walk, in ImageFolder, skips unreadable folders
+            if entry.is_dir():
+                with os.scandir(entry.path):
+                    pass
+        return ImageFolder(str(folder), transform=transform)
+    except PermissionError as e:
+        raise UserError(f"{e.filename or folder}: {e.strerror} (the data set must be readable "
+                        "by this user)") from None
+    except (OSError, RuntimeError) as e:
         raise UserError(f"{folder}: {str(e).splitlines()[0]}") from None
 
 

@@ -55,6 +55,14 @@ class DistInfo:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t
 
+    def gather(self, items: list) -> list:
+        """Every rank's ``items`` (picklable), concatenated in rank order, on every rank."""
+        if not self.distributed:
+            return list(items)
+        parts = [None] * self.world_size
+        dist.all_gather_object(parts, items)
+        return [x for part in parts for x in part]
+
     @contextlib.contextmanager
     def local_main_first(self) -> Iterator[None]:
         """Local rank 0 of each node runs the block first (e.g. a download); the others wait.

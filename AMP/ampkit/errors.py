@@ -1,24 +1,59 @@
-"""User mistakes end in one line on stderr and a non-zero exit, never a traceback."""
+"""User mistakes and faults end in one line on stderr and a non-zero exit, never a traceback."""
 from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 EXIT_USER_ERROR = 2
+EXIT_LOST_PEER = 1
 
 
 class UserError(Exception):
-    """Bad input from the user (flags, paths, data): reported in one line."""
+    """Bad input from the user (flags, paths, data): reported in one line. Every rank meets
+    the same ones (the same flags, the same files), so global rank 0 alone prints it."""
+
+    every_rank = False
 
 
-def _is_rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+class RankError(UserError):
+    """A fault one process found by itself (an unreadable image in its share of the data):
+    that process prints it, with its rank when there are several."""
+
+    every_rank = True
+
+
+# How a collective fails when another process of the group has died (gloo's and NCCL's words).
+_LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Connection refused|"
+                        r"NCCL communicator was aborted|remote process exited|"
+                        r"(?:gloo|NCCL).*?[Tt]imed out", re.S)
+
+
+def lost_peer(error: BaseException) -> Optional[str]:
+    """Why a collective failed, when it failed because a peer process died; else None."""
+    if not isinstance(error, RuntimeError):
+        return None
+    text = str(error)
+    match = _LOST_PEER.search(text)
+    if match is None:
+        return None
+    where = re.search(r"\[[\d.:a-f]+\]:\d+", text)
+    return match.group(0).split("\n")[0] + (f" {where.group(0)}" if where else "")
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _several() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def report_user_errors(main: Callable) -> Callable:
-    """Turn :class:`UserError` (and Ctrl-C before training starts) into a one-line message."""
+    """A script's ``main``: a :class:`UserError`, Ctrl-C before training starts, or a peer
+    process lost under torchrun end in one line and a non-zero exit status."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -26,11 +61,22 @@ def report_user_errors(main: Callable) -> Callable:
         try:
             return main(*args, **kwargs)
         except UserError as e:
-            if _is_rank0():
-                print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+            if _rank() == 0 or e.every_rank:
+                who = f"rank {_rank()}: " if e.every_rank and _several() else ""
+                print(f"{prog}: error: {who}{e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr, flush=True)
             sys.exit(130)
+        except RuntimeError as e:
+            reason = lost_peer(e) if _several() else None
+            if reason is None:
+                raise
+            print(f"{prog}: error: rank {_rank()}: lost a peer process ({reason}); exiting so "
+                  "torchrun can restart or stop", file=sys.stderr, flush=True)
+            dist = sys.modules.get("torch.distributed")
+            if dist is not None and dist.is_initialized():
+                dist.destroy_process_group()  # else gloo aborts the process at exit
+            sys.exit(EXIT_LOST_PEER)
 
     return wrapper

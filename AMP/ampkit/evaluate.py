@@ -11,6 +11,7 @@ images this process counts (all of them, or its DDP shard); ``count_correct`` co
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -21,9 +22,10 @@ from alexnet import alexnet
 
 from . import checkpoint as ckpt_io
 from .config import DATA_DIR, parse_eval_args
-from .data import build_loaders
+from .data import build_loaders, take_skipped
 from .distributed import cleanup, setup
 from .engine import count_correct
+from .errors import UserError
 from .precision import resolve_amp_dtype
 
 
@@ -49,9 +51,12 @@ class Evaluation:
         self.dataset = args.dataset or trained.get("dataset") or "CIFAR10"
         root = Path(args.dataset_root or trained.get("dataset_root") or DATA_DIR)
         self.img_size = args.img_size or trained.get("img_size") or 227
+        self._say_what_it_was_trained_on(trained, root)
         data = build_loaders(self.dataset, root, self.img_size, args.batch_size, self.info,
                              loader=args.loader, num_workers=args.num_workers,
-                             channels_last=args.channels_last, train=False)
+                             channels_last=args.channels_last, train=False,
+                             skip_bad=args.skip_bad_images)
+        self.data = data
         self.loader, self.test_size = data.val, data.val_size
         self.amp_dtype = resolve_amp_dtype(args.amp_dtype, device) if args.autocast else None
         # With --autocast, AlexNet's forward re-enters autocast with this dtype itself (for
@@ -63,8 +68,22 @@ class Evaluation:
         self.model = model.to(device, memory_format=self.input_format)
         self.autocast = (torch.autocast(device.type, dtype=self.amp_dtype) if self.amp_dtype
                          else contextlib.nullcontext())
-        if self.info.is_main:
+
+    def _say_what_it_was_trained_on(self, trained: dict, root: Path) -> None:
+        """The checkpoint, the data it was trained on, and one warning line if it differs."""
+        if not self.info.is_main:
+            return
+        if not trained:
             print(f"checkpoint: {self.path}", flush=True)
+            return
+        then = (trained.get("dataset"), trained.get("dataset_root"), trained.get("img_size"))
+        print(f"checkpoint: {self.path} (trained on {then[0]} in {then[1]} at {then[2]}px)",
+              flush=True)
+        same_root = then[1] is not None and Path(then[1]).resolve() == root.resolve()
+        if then[0] != self.dataset or then[2] != self.img_size or \
+                (not same_root and self.dataset != "FakeData"):
+            print(f"warning: evaluating on {self.dataset} in {root} at {self.img_size}px, not "
+                  "the data set this checkpoint was trained on", file=sys.stderr, flush=True)
 
     @property
     def device(self) -> torch.device:
@@ -78,7 +97,13 @@ class Evaluation:
 
     def report(self, correct: int, total: int) -> float:
         """Print the result line (global rank 0), release the process group; the accuracy."""
+        if total == 0:
+            raise UserError(f"{self.name}: no readable test image to evaluate")
         acc = correct / total
+        skipped = self.info.gather(take_skipped(self.data))
+        if skipped and self.info.is_main:
+            print(f"skipped {len(skipped)} unreadable image(s) (--skip_bad_images): "
+                  + "; ".join(str(u) for u in skipped[:5]), flush=True)
         if self.info.is_main:
             print(f"top-1 accuracy on {self.dataset} test split ({self.img_size}px"
                   f"{', autocast ' + str(self.amp_dtype)[6:] if self.amp_dtype else ''}"

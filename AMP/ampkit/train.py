@@ -27,7 +27,7 @@ from alexnet import alexnet
 
 from . import checkpoint as ckpt_io
 from .config import args_to_plain, parse_interval, parse_train_args
-from .data import build_loaders
+from .data import build_loaders, take_skipped
 from .distributed import cleanup, setup
 from .engine import EpochStats, Parts, StopFlag, Variant, count_correct, train_one_epoch
 from .errors import UserError
@@ -46,11 +46,34 @@ def _resume_path(args, run_dir: Path) -> Optional[Path]:
             raise UserError(f"--resume: no checkpoint to resume at {path}")
         return path
     if args.resume:
-        return ckpt_io.resolve(Path(args.resume))
+        return ckpt_io.resolve(Path(args.resume), "--resume")
     # Restarted by torchrun (--max-restarts): continue from the latest checkpoint.
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and (run_dir / ckpt_io.LAST).is_file():
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and (run_dir / ckpt_io.LAST).is_file():
         return run_dir / ckpt_io.LAST
     return None
+
+
+def resume_mismatches(state: dict, args, variant: str, world_size: int) -> list:
+    """What differs between a checkpoint and the run about to continue it, in words."""
+    trained, diffs = state.get("args") or {}, []
+    if state.get("variant", variant) != variant:
+        diffs.append(f"it is a {state['variant']} run, this is {variant}")
+    for key in ("dataset", "img_size"):
+        if key in trained and trained[key] != getattr(args, key):
+            diffs.append(f"--{key} {trained[key]} (this run: {getattr(args, key)})")
+    root = trained.get("dataset_root")
+    if root and args.dataset != "FakeData" and \
+            Path(root).resolve() != Path(args.dataset_root).resolve():
+        diffs.append(f"--dataset_root {root} (this run: {args.dataset_root})")
+    world, batch = state.get("world_size"), trained.get("batch_size")
+    if world is not None and batch is not None:
+        if world * batch != world_size * args.batch_size:
+            diffs.append(f"a global batch of {batch} x {world} processes (this run: "
+                         f"{args.batch_size} x {world_size})")
+        elif world != world_size and state.get("step", 0):
+            diffs.append(f"{world} processes, stopped mid-epoch (this run: {world_size})")
+    return diffs
 
 
 class Trainer:
@@ -64,7 +87,7 @@ class Trainer:
         try:
             self._set_up()
         except BaseException:
-            cleanup(self.info)
+            self._release()
             raise
 
     # ------------------------------------------------------------------ set-up
@@ -78,18 +101,11 @@ class Trainer:
         self.writer, self.pending_best = ckpt_io.BackgroundWriter(), None
         self.snapshots = {"last": ckpt_io.Snapshot(), "best": ckpt_io.Snapshot()}
         self.last_save = time.perf_counter()
-        self.run_dir = args.checkpoint / self.variant
-        self.tb_dir = None
-        if info.is_main:
-            ckpt_io.prepare_run_dir(self.run_dir)
-            ckpt_io.remove_stale_temps(self.run_dir)
-            if args.tensorboard:  # checked now, created by the first write
-                self.tb_dir = (ckpt_io.prepare_run_dir(args.tensorboard_log / self.variant)
-                               / time.strftime("%Y%m%d-%H%M%S"))
-        self.resume_path = _resume_path(args, self.run_dir)
+        self._prepare_folders()
         self.data = build_loaders(args.dataset, args.dataset_root, args.img_size, args.batch_size,
                                   info, loader=args.loader, num_workers=args.num_workers,
-                                  seed=args.seed, channels_last=args.channels_last)
+                                  seed=args.seed, channels_last=args.channels_last,
+                                  skip_bad=args.skip_bad_images)
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
         model = alexnet(pretrained=args.pretrained, num_classes=self.data.num_classes)
         model = model.to(device, memory_format=self.input_format)
@@ -105,8 +121,29 @@ class Trainer:
         self.scaler_state = None
         if self.resume_path is not None:
             self._load_resume_state()
+        elif args.init_from is not None:
+            path = ckpt_io.resolve(args.init_from, "--init_from")
+            ckpt_io.load_weights(model, ckpt_io.load(path), path)
         self.logger = RunLogger(info.is_main, self.tb_dir, self.run_dir / "log.jsonl",
                                 resume_epoch=self.epoch if self.resume_path else None)
+
+    def _prepare_folders(self) -> None:
+        """The run folder, owned by this run alone (rank 0, which writes); TensorBoard's."""
+        args = self.args
+        self.run_dir, self.tb_dir, self.lock = args.checkpoint / self.variant, None, None
+        if self.info.is_main:
+            ckpt_io.prepare_run_dir(self.run_dir)
+            self.lock = ckpt_io.RunLock(self.run_dir)
+            ckpt_io.remove_stale_temps(self.run_dir)  # the lock's holder: no live run owns them
+            if args.tensorboard:  # checked now, created by the first write
+                self.tb_dir = (ckpt_io.prepare_run_dir(args.tensorboard_log / self.variant)
+                               / time.strftime("%Y%m%d-%H%M%S"))
+        self.resume_path = _resume_path(args, self.run_dir)
+
+    def _release(self) -> None:
+        cleanup(self.info)
+        if getattr(self, "lock", None) is not None:
+            self.lock.release()
 
     def _load_resume_state(self) -> None:
         """Load a checkpoint's model, optimizer, schedule, counters and RNG; the GradScaler's
@@ -114,7 +151,13 @@ class Trainer:
         path, parts = self.resume_path, self.parts
         state = ckpt_io.load(path, map_location="cpu")
         if "optimizer" not in state:
-            raise UserError(f"{path}: holds weights only (no optimizer state); cannot resume")
+            raise UserError(f"{path}: holds weights only (no optimizer state); cannot resume "
+                            f"from it (--init_from {path} starts a new run from its weights)")
+        diffs = resume_mismatches(state, self.args, self.variant, self.info.world_size)
+        if diffs:
+            raise UserError(f"--resume {path} does not fit this run: {'; '.join(diffs)}. Resume "
+                            f"with the same settings, or start a new run from its weights with "
+                            f"--init_from {path}")
         ckpt_io.load_weights(parts.model, state, path)
         ckpt_io.load_optimizer_state(parts.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -137,7 +180,7 @@ class Trainer:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             self.logger.close()
-            cleanup(self.info)
+            self._release()
         if code:
             sys.exit(code)
 
@@ -188,18 +231,22 @@ class Trainer:
         if self.resume_path is not None:
             self.logger.print(f"resumed from {self.resume_path}: epoch {self.epoch + 1}, "
                               f"step {self.step}")
+        elif args.init_from is not None:
+            self.logger.print(f"starting from the weights of {args.init_from} (epoch 1, a new "
+                              "optimizer)")
         self.stop = StopFlag()
         self._install_signal_handlers()
         self.skipped = SkippedSteps(v.scaler, parts.device)
         d = self.data
+        gpu = parts.device.type == "cuda"
         gpus = (f" x{torch.cuda.device_count()} GPUs" if isinstance(v.model, nn.DataParallel)
-                and parts.device.type == "cuda" else "")
+                and gpu else "")
         self.logger.print(
             f"{self.variant}: {args.dataset} ({d.train_size} train / {d.val_size} val images, "
             f"{d.num_classes} classes) at {args.img_size}px on {parts.device}"
             f"{f' x{info.world_size} processes' if info.distributed else ''}{gpus}, "
             f"precision {v.precision}{f' ({str(v.amp_dtype)[6:]})' if v.amp_dtype else ''}"
-            f"{f' ({self.fp32_math})' if v.amp_dtype is None and parts.device.type == 'cuda' else ''}, "
+            f"{f' ({self.fp32_math})' if v.amp_dtype is None and gpu else ''}, "
             f"batch {args.batch_size}{' per process' if info.distributed else ''}, "
             f"{d.kind} loader")
         return v
@@ -210,7 +257,7 @@ class Trainer:
             if self.stop.requested and signum == signal.SIGINT:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now
             self.stop.request(name)
-            self.logger.print(f"\n{name} received: finishing the current step, then saving")
+            self.logger.print(f"\n{name} received: stopping after the current step")
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, handler)
@@ -240,6 +287,7 @@ class Trainer:
         if val_acc > self.best_acc:
             self.best_acc, self.best_epoch = val_acc, epoch + 1
         save = self._save(v, epoch + 1, 0, val_acc=val_acc)
+        skipped = self._skipped_images()
         scale = v.scaler.get_scale() if v.scaler is not None else None
         # The largest of all ranks (a collective: every rank computes it) and, under
         # DataParallel, of all the GPUs it uses.
@@ -255,7 +303,8 @@ class Trainer:
         row = {"epoch": epoch + 1, "train_loss": stats.loss, "val_acc": val_acc, "lr": self.lr,
                "epoch_time": epoch_seconds, "train_time": stats.seconds,
                "data_time": stats.data_seconds, "images_per_s": stats.images_per_s,
-               "skipped_steps": stats.skipped, "peak_mem_mb": peak_mem,
+               "skipped_steps": stats.skipped, "skipped_images": skipped,
+               "peak_mem_mb": peak_mem,
                "peak_mem_kind": "cuda_allocated" if device.type == "cuda" else "max_rss"} | save
         self.logger.record(row | ({"grad_scale": scale} if scale is not None else {}))
         self.logger.scalars({"train/loss": stats.loss, "train/lr": self.lr,
@@ -264,13 +313,25 @@ class Trainer:
                             | ({"amp/grad_scale": scale, "amp/skipped_steps": stats.skipped}
                                if scale is not None else {}), epoch + 1)
 
+    def _skipped_images(self) -> int:
+        """--skip_bad_images: name the images left out this epoch, on every rank; how many."""
+        if not self.args.skip_bad_images:
+            return 0
+        skipped = self.info.gather(take_skipped(self.data))
+        if skipped:
+            more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+            self.logger.print(f"skipped {len(skipped)} unreadable image(s) this epoch: "
+                              + "; ".join(str(u) for u in skipped[:5]) + more)
+        return len(skipped)
+
     def _save(self, v: Variant, epoch: int, step: int, val_acc: Optional[float],
               now: bool = False) -> dict:
         """Hand last.pth (the full state after ``epoch`` epochs and ``step`` steps) and, if this
         epoch's accuracy is the best so far, best.pth (weights and metadata) to the background
         writer: as --save_every says (epochs, or time since the last save), after the last
-        epoch, and ``now`` (a stop, which also waits for the write). A best epoch between saves is kept in memory until the
-        next save. Returns the save's timing for the epoch's log row (rank 0)."""
+        epoch, and ``now`` (a stop, which also waits for the write). A best epoch between
+        saves is kept in memory until the next save. Returns the save's timing for the
+        epoch's log row (rank 0)."""
         every_epochs, every_seconds = parse_interval(self.args.save_every)
         is_best = val_acc is not None and self.best_epoch == epoch
         due = (now or epoch == self.args.epochs
@@ -286,11 +347,11 @@ class Trainer:
         if is_best:
             self.pending_best = self.snapshots["best"].take(
                 {k: x for k, x in state.items() if k not in RESUME_ONLY})
-        if due:  # best.pth first, so last.pth is the newest file
+        if due:  # last.pth first: a best.pth never stands without a last.pth to resume from
             best = [(self.pending_best, self.run_dir / ckpt_io.BEST)] if self.pending_best else []
             self.pending_best = None
-            self.writer.submit(best + [(self.snapshots["last"].take(state),
-                                        self.run_dir / ckpt_io.LAST)])
+            self.writer.submit([(self.snapshots["last"].take(state),
+                                 self.run_dir / ckpt_io.LAST)] + best)
             self.last_save = time.perf_counter()
             if now:
                 self.writer.wait()
@@ -304,6 +365,7 @@ class Trainer:
         state = {"model": ckpt_io.model_state(v.model), "epoch": epoch, "step": step,
                  "best_acc": self.best_acc, "best_epoch": self.best_epoch, "val_acc": val_acc,
                  "num_classes": self.data.num_classes, "variant": self.variant,
+                 "world_size": self.info.world_size,
                  "args": args_to_plain(self.args), "torch_version": str(torch.__version__)}
         if resume:
             state |= {"optimizer": self.parts.optimizer.state_dict(),

@@ -1,0 +1,372 @@
+"""What happens when things go wrong: bad data, full disks, concurrent runs, mismatched
+resumes, lost peers, foreign checkpoints. Each ends in one clear line and a non-zero exit
+(or, where the user asked for it, a listed skip), never a traceback or a silent wrong result,
+and never a lost or half-written checkpoint."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import IF_TRAIN_SIZE, REPO_ROOT, clean_output
+
+def _args(root: Path, ckpt: Path, *extra: str, dataset: str = "ImageFolder") -> list:
+    return ["--dataset", dataset, "--dataset_root", str(root), "--img_size", "64",
+            "--batch_size", "48", "--epochs", "1", "--no-cuda", "--no-tensorboard",
+            "--checkpoint", str(ckpt), *[str(e) for e in extra]]
+
+
+def _main(script: str, argv: list, capsys) -> tuple:
+    """Run a script's main() in-process: (exit status, stdout, stderr lines)."""
+    import importlib
+
+    try:
+        importlib.import_module(script).main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, [ln for ln in clean_output(err).splitlines() if ln.strip()]
+
+
+def _one_line(code, err) -> str:
+    assert code not in (0, None), err
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def _copy_tree(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ------------------------------------------------------------------ 1, 2: bad images
+@pytest.mark.parametrize("damage", ["random bytes", "truncated"])
+def test_unreadable_image_is_one_line_naming_it(damage, imagefolder_root, tmp_path, capsys):
+    root = _copy_tree(imagefolder_root, tmp_path / "data")
+    bad = root / "train" / "green" / "003.png"
+    if damage == "random bytes":
+        bad.write_bytes(np.random.default_rng(0).bytes(bad.stat().st_size))
+    else:
+        bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt"), capsys)
+    line = _one_line(code, err)
+    assert str(bad) in line and "--skip_bad_images" in line, line
+    assert not (tmp_path / "ckpt" / "train_without" / "last.pth").exists()
+
+
+def test_skip_bad_images_trains_and_lists_them(imagefolder_root, tmp_path, capsys):
+    root = _copy_tree(imagefolder_root, tmp_path / "data")
+    bad = [root / "train" / "red" / "000.png", root / "val" / "blue" / "001.png"]
+    for path in bad:
+        path.write_bytes(b"not an image")
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt", "--skip_bad_images"),
+                           capsys)
+    assert code == 0, err
+    assert "skipped 2 unreadable image(s) this epoch" in out, out
+    assert all(str(path) in out for path in bad), out
+    row = json.loads((tmp_path / "ckpt" / "train_without" / "log.jsonl").read_text())
+    assert row["skipped_images"] == 2 and row["val_acc"] is not None
+    assert f"({IF_TRAIN_SIZE - 1} train" not in out  # the data set's size is what it is
+
+
+def test_unreadable_image_by_permission_is_one_line(imagefolder_root, tmp_path, capsys,
+                                                    monkeypatch):
+    """As root, chmod does not stop a read: the denial is simulated where the file is opened."""
+    import builtins
+
+    root = _copy_tree(imagefolder_root, tmp_path / "data")
+    denied = str(root / "val" / "red" / "002.png")
+    real_open = builtins.open
+
+    def guarded(file, *args, **kwargs):
+        if str(file) == denied:
+            raise PermissionError(errno.EACCES, "Permission denied", denied)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+    code, out, err = _main("eval_without", ["--checkpoint", str(_weights(tmp_path)),
+                                            "--dataset", "ImageFolder", "--dataset_root",
+                                            str(root), "--no-cuda"], capsys)
+    line = _one_line(code, [e for e in err if not e.startswith("warning:")])
+    assert denied in line and "Permission denied" in line, line
+
+
+def test_unreadable_class_folder_is_one_line(imagefolder_root, tmp_path, capsys, monkeypatch):
+    root = _copy_tree(imagefolder_root, tmp_path / "data")
+    real_scandir = os.scandir
+
+    def guarded(path="."):
+        if str(path).endswith(os.path.join("train", "blue")):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", guarded)
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt"), capsys)
+    line = _one_line(code, err)
+    assert str(root / "train" / "blue") in line and "Permission denied" in line, line
+
+
+def test_one_class_cannot_train_a_classifier(imagefolder_root, tmp_path, capsys):
+    root = tmp_path / "data"
+    for split in ("train", "val"):
+        shutil.copytree(imagefolder_root / split / "red", root / split / "red")
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt"), capsys)
+    assert "at least 2 classes" in _one_line(code, err)
+
+
+def _weights(tmp_path: Path) -> Path:
+    """A 3-class AlexNet checkpoint (weights only) for the eval tests."""
+    from alexnet import alexnet
+
+    path = tmp_path / "weights.pth"
+    if not path.exists():
+        torch.manual_seed(0)
+        torch.save({"model": alexnet(num_classes=3).state_dict()}, path)
+    return path
+
+
+# ------------------------------------------------------------------ 3: broken CIFAR-10 files
+def _cifar(tmp_path: Path, archive: bool) -> Path:
+    from ampkit.measure import write_cifar10
+
+    root = write_cifar10(tmp_path / "cifar", 60, 11, seed=1, learnable=True)
+    if archive:
+        with tarfile.open(root / "cifar-10-python.tar.gz", "w:gz") as tar:
+            tar.add(root / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    batch = root / "cifar-10-batches-py" / "data_batch_1"
+    batch.write_bytes(batch.read_bytes()[:1000])
+    return root
+
+
+def test_broken_cifar_file_is_named(tmp_path, capsys):
+    root = _cifar(tmp_path, archive=False)
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt", dataset="CIFAR10"),
+                           capsys)
+    line = _one_line(code, err)
+    assert str(root / "cifar-10-batches-py" / "data_batch_1") in line, line
+    assert "cifar-10-python.tar.gz" in line and "Delete" in line, line
+
+
+def test_broken_cifar_file_is_extracted_again_from_the_archive(tmp_path, capsys):
+    root = _cifar(tmp_path, archive=True)
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt", dataset="CIFAR10"),
+                           capsys)
+    assert code == 0, err
+    assert "data_batch_1 was broken" in out and "extracted it again" in out, out
+    assert "(60 train / 11 val images" in out, out
+
+
+# ------------------------------------------------------------------ 4: a full disk
+def _first_run(imagefolder_root, tmp_path, capsys, *extra) -> Path:
+    code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt", *extra),
+                           capsys)
+    assert code == 0, err
+    return tmp_path / "ckpt" / "train_without"
+
+
+def test_full_disk_is_found_before_writing(imagefolder_root, tmp_path, capsys, monkeypatch):
+    run_dir = _first_run(imagefolder_root, tmp_path, capsys)
+    before = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"]
+    from ampkit import checkpoint as ckpt_io
+
+    usage = shutil.disk_usage(run_dir)
+    monkeypatch.setattr(ckpt_io.shutil, "disk_usage",
+                        lambda p: usage._replace(free=50 * 2**20))  # 50 MB free
+    code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt", "--resume",
+                                                  "--epochs", "2"), capsys)
+    line = _one_line(code, err)
+    assert "cannot save" in line and "50 MB free" in line and str(run_dir) in line, line
+    assert "is unchanged" in line, line
+    assert torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"] == before
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+def test_disk_full_during_the_first_write_leaves_no_best_without_last(imagefolder_root,
+                                                                      tmp_path, capsys,
+                                                                      monkeypatch):
+    from ampkit import checkpoint as ckpt_io
+
+    def no_space(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt_io.torch, "save", no_space)
+    code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt"), capsys)
+    line = _one_line(code, err)
+    assert "cannot save" in line and "last.pth" in line and "MB free" in line, line
+    run_dir = tmp_path / "ckpt" / "train_without"
+    assert not (run_dir / "best.pth").exists() and not (run_dir / "last.pth").exists()
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+# ------------------------------------------------------------------ 5: one run per folder
+_HOLD = """
+import sys, time
+sys.path.insert(0, "AMP")
+from ampkit.checkpoint import RunLock
+lock = RunLock(sys.argv[1])
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+def test_second_run_in_the_same_folder_is_refused_until_the_first_dies(imagefolder_root,
+                                                                      tmp_path, capsys):
+    run_dir = tmp_path / "ckpt" / "train_without"
+    run_dir.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(run_dir)], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        stale = run_dir / ".last.pth.123.tmp"  # the holder's save in flight: not touched
+        stale.write_bytes(b"in flight")
+        code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt"),
+                               capsys)
+        line = _one_line(code, err)
+        assert f"pid {holder.pid} on " in line and "started 20" in line, line
+        assert stale.exists()
+    finally:
+        holder.kill()  # SIGKILL: the OS releases the lock
+        holder.wait()
+    code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt"), capsys)
+    assert code == 0, err
+    assert not stale.exists(), "the new holder cleans up the dead run's temp files"
+
+
+def test_log_survives_a_kill_mid_write(tmp_path):
+    """A partial last line (the process killed while writing it) and rows of epochs the
+    checkpoint does not hold are dropped when the run resumes; the rest stays JSON lines."""
+    from ampkit.log import RunLogger
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"epoch": 1, "val_acc": 0.5}\n{"epoch": 2, "val_acc": 0.6}\n{"epoch": 3, "va')
+    logger = RunLogger(True, None, log, resume_epoch=1)
+    logger.record({"epoch": 2, "val_acc": 0.7})
+    logger.close()
+    assert [json.loads(line) for line in log.read_text().splitlines()] == \
+        [{"epoch": 1, "val_acc": 0.5}, {"epoch": 2, "val_acc": 0.7}]
+
+
+# ------------------------------------------------------------------ 6, 7, 9: resume checks
+def test_resume_from_another_variant_is_refused_init_from_starts_anew(imagefolder_root,
+                                                                       tmp_path, capsys):
+    run_dir = _first_run(imagefolder_root, tmp_path, capsys)
+    other = str(run_dir / "last.pth")
+    code, out, err = _main("train_GradScaler", _args(imagefolder_root, tmp_path / "ckpt",
+                                                     "--resume", other, "--epochs", "2"), capsys)
+    line = _one_line(code, err)
+    assert "train_without run, this is train_GradScaler" in line and "--init_from" in line, line
+    assert not (tmp_path / "ckpt" / "train_GradScaler" / "last.pth").exists()
+    code, out, err = _main("train_GradScaler", _args(imagefolder_root, tmp_path / "ckpt",
+                                                     "--init_from", other), capsys)
+    assert code == 0, err
+    assert f"starting from the weights of {other}" in out and "epoch 1/1" in out, out
+
+
+def test_resume_with_other_data_or_size_says_what_differs(imagefolder_root, cifar_root, tmp_path,
+                                                          capsys):
+    run_dir = _first_run(imagefolder_root, tmp_path, capsys)
+    argv = _args(cifar_root, tmp_path / "ckpt", "--resume", "--epochs", "2", dataset="CIFAR10")
+    argv[argv.index("--img_size") + 1] = "80"
+    code, out, err = _main("train_without", argv, capsys)
+    line = _one_line(code, err)
+    for words in ("--dataset ImageFolder (this run: CIFAR10)", "--img_size 64 (this run: 80)",
+                  f"--dataset_root {imagefolder_root}"):
+        assert words in line, line
+    assert torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"] == 1
+
+
+def test_resume_with_another_global_batch_is_refused(imagefolder_root, tmp_path, capsys):
+    _first_run(imagefolder_root, tmp_path, capsys)
+    argv = _args(imagefolder_root, tmp_path / "ckpt", "--resume", "--epochs", "2")
+    argv[argv.index("--batch_size") + 1] = "16"
+    code, out, err = _main("train_without", argv, capsys)
+    assert "a global batch of 48 x 1 processes (this run: 16 x 1)" in _one_line(code, err)
+
+
+def test_resume_of_a_missing_file_names_the_flag(imagefolder_root, tmp_path, capsys):
+    code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt", "--resume",
+                                                  "/nonexistent.pth"), capsys)
+    line = _one_line(code, err)
+    assert line.split("error: ", 1)[1].startswith("--resume /nonexistent.pth"), line
+
+
+# ------------------------------------------------------------------ 10: eval on other data
+def test_eval_says_what_the_checkpoint_was_trained_on(imagefolder_root, tmp_path, capsys):
+    run_dir = _first_run(imagefolder_root, tmp_path, capsys)
+    other = _copy_tree(imagefolder_root, tmp_path / "other")  # the same 3 classes, elsewhere
+    code, out, err = _main("eval_without", ["--checkpoint", str(run_dir / "last.pth"),
+                                            "--no-cuda"], capsys)
+    assert code == 0 and not err, err
+    assert f"(trained on ImageFolder in {imagefolder_root} at 64px)" in out, out
+    code, out, err = _main("eval_without", ["--checkpoint", str(run_dir / "last.pth"),
+                                            "--no-cuda", "--dataset_root", str(other)], capsys)
+    assert code == 0 and len(err) == 1, err
+    assert err[0].startswith("warning:") and str(other) in err[0], err
+    assert "= " in out  # the figure is still given
+
+
+# ------------------------------------------------------------------ 11: foreign checkpoints
+# Byte patterns whose unpickling used to escape as IndexError / KeyError tracebacks.
+ESCAPED = [b"h\x07.", b"\x80\x02(.", b"}(K\x01h\x02u.",
+           b"Q\x05\xb6\xdd\xf6\xfd\x01d\x04\xe6\xd2Y,|E:\xf9S\x83I",
+           b"rS\x8a\xb2\xf5\xb57\xc8}pH\x1c\xbc[\xce\xbc\xdbGsO|"]
+
+
+@pytest.mark.filterwarnings("error")  # no warning noise either
+def test_random_bytes_are_never_a_traceback(tmp_path):
+    from ampkit import checkpoint as ckpt_io
+    from ampkit.errors import UserError
+
+    rng = np.random.default_rng(2026)
+    blobs = [rng.bytes(int(rng.integers(1, 4096))) for _ in range(400)] + ESCAPED
+    blobs += [b"\x80" + bytes([p]) + rng.bytes(64) for p in range(2, 6)]  # pickle protocols
+    for i, blob in enumerate(blobs):
+        path = tmp_path / f"{i}.pth"
+        path.write_bytes(blob)
+        with pytest.raises(UserError) as e:
+            ckpt_io.load(path)
+        assert "\n" not in str(e.value) and str(e.value).startswith(str(path)), e.value
+
+
+# ------------------------------------------------------------------ 8: a lost DDP peer
+@pytest.mark.slow
+def test_a_killed_ddp_worker_leaves_one_line_per_survivor(imagefolder_root, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = _args(imagefolder_root, ckpt, "--epochs", "50", "--log_every", "1")
+    flags[flags.index("--batch_size") + 1] = "4"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO_ROOT / "AMP" / "train_DDP.py"), *flags]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(env, OMP_NUM_THREADS="1"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (ckpt / "train_DDP" / "log.jsonl").exists():  # epoch 1 is done
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        worker = subprocess.run(["pgrep", "-f", "-n", "train_DDP.py"], capture_output=True,
+                                text=True).stdout.split()
+        os.kill(int(worker[-1]), signal.SIGKILL)  # the newest worker process
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    ours = [ln for ln in clean_output(err).splitlines() if "train_DDP.py: error" in ln]
+    assert len(ours) == 1 and "lost a peer process" in ours[0], err[-3000:]
+    # torchrun reports the dead worker with its own traceback; no worker prints one.
+    for tb in err.split("Traceback (most recent call last):")[1:]:
+        assert "AMP/" not in tb[:400] and "ampkit" not in tb[:400], tb[:400]
+    assert "saving" not in out and "saved" not in out, out
