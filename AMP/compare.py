@@ -10,7 +10,10 @@ learning rate and seed (DDP variants under ``python -m torch.distributed.run
 ``--nproc`` to change), followed by its eval script (eval_without / eval_DP /
 eval_DDP) on its own ``last.pth``. Everything lands under ``<out>/<time>/``:
 
-- ``results.csv``, ``results.md`` (one row per variant) and ``results.png``;
+- ``results.csv``, ``results.md`` (one row per variant) and ``results.png``: validation
+  accuracy against cumulative training time (the training loops alone, as logged in
+  ``train_time``), the speed-up of each variant over ``train_without`` (steady-state
+  images/s) and the peak memory per device;
 - ``checkpoint/<variant>/{last,best}.pth, log.jsonl``;
 - ``logs/<variant>.train.log``, ``logs/<variant>.eval.log`` (the commands' output);
 
@@ -295,9 +298,12 @@ class Comparison:
                                      title="AlexNet AMP comparison", preamble=preamble, notes=notes)
         if not plot:
             return text
+        curves = {r.variant: report.accuracy_curve(
+            report.read_log(self.ckpt_dir / r.variant / "log.jsonl")) for r in results}
         try:
-            report.plot_results(results, self.dir / "results.png",
-                                title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
+            report.plot_results(
+                results, self.dir / "results.png", curves=curves,
+                title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
         except Exception as e:  # a plot must not cost the user the table
             print(f"compare.py: warning: results.png not written ({e})", file=sys.stderr)
         return text
