@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,40 @@ def test_plot_results_draws_the_three_views(tmp_path):
     assert any("no baseline: train_without was not among" in t for t in _panel_texts(fig.axes[1]))
 
 
+def test_write_tensorboard_puts_accuracy_at_the_cumulative_training_time(tmp_path):
+    import compare
+
+    curves = {"train_without": [(1, 10.0, 0.4), (2, 19.0, 0.6)], "train_DDP": []}
+    fig = report.plot_results([_result("train_without", images_per_s=1.0)], None, curves=curves)
+    compare.write_tensorboard(tmp_path, curves, 1000.0, fig)
+    points = _tb_points(tmp_path / "train_without", compare.TB_ACCURACY)
+    assert [p[:2] for p in points] == [(0, 1000.0), (1, 1010.0), (2, 1019.0)]
+    assert math.isnan(points[0][2]) and [p[2] for p in points[1:]] == pytest.approx([0.4, 0.6])
+    assert not (tmp_path / "train_DDP").exists()  # nothing to draw: no run
+    assert compare.TB_FIGURE in _tb_tags(tmp_path, recursive=False)
+
+
+def _tb_events(folder: Path, recursive: bool = True):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    files = event_files(folder) if recursive else sorted(folder.glob("events.out.tfevents*"))
+    for f in files:
+        yield from EventFileLoader(str(f)).Load()
+
+
+def _tb_tags(folder: Path, recursive: bool = True):
+    return {v.tag for ev in _tb_events(folder, recursive) for v in ev.summary.value}
+
+
+def _tb_points(folder: Path, tag: str):
+    """(step, wall time, value) of a scalar, in the order written."""
+    from tensorboard.util import tensor_util
+
+    return [(ev.step, ev.wall_time,
+             float(tensor_util.make_ndarray(v.tensor)) if v.HasField("tensor") else v.simple_value)
+            for ev in _tb_events(folder) for v in ev.summary.value if v.tag == tag]
+
+
 def test_failure_reason_finds_the_one_line():
     argparse_err = "epoch 1/1:  50%|#####     | 1/2\rtrain_DP.py: error: unrecognized arguments: --x (see --help)\n"
     assert runner.failure_reason(argparse_err, 2) == \
@@ -208,6 +243,23 @@ def test_compare_writes_the_three_files_and_prints_the_table(comparison):
     tb = tmp / "tb"
     for v in OK_VARIANTS:
         assert event_files(next(tb.glob(f"compare-*/{v}"))), f"no TensorBoard events for {v}"
+
+
+@pytest.mark.slow
+def test_compare_sends_accuracy_against_training_time_to_tensorboard(comparison):
+    import compare
+
+    res, out, rows, tmp = comparison
+    (run,) = (tmp / "tb").glob("compare-*")
+    for v in OK_VARIANTS:
+        points = _tb_points(run / v, compare.TB_ACCURACY)
+        log = report.read_log(out / "checkpoint" / v / "log.jsonl")
+        assert [p[0] for p in points] == [0, 1], (v, points)  # the anchor, then epoch 1
+        # the Relative axis: training time of the log, counted from the anchor
+        assert points[1][1] - points[0][1] == pytest.approx(log[0]["train_time"], abs=1e-3)
+        assert points[1][2] == pytest.approx(log[0]["val_acc"])
+    assert compare.TB_ACCURACY not in _tb_tags(run / FAILING)  # no epoch: no curve
+    assert compare.TB_FIGURE in _tb_tags(run, recursive=False)
 
 
 @pytest.mark.slow
