@@ -10,12 +10,23 @@ learning rate and seed (DDP variants under ``python -m torch.distributed.run
 ``--nproc`` to change), followed by its eval script (eval_without / eval_DP /
 eval_DDP) on its own ``last.pth``. Everything lands under ``<out>/<time>/``:
 
-- ``results.csv``, ``results.md`` (one row per variant) and ``results.png``;
+- ``results.csv``, ``results.md`` (one row per variant) and ``results.png``: validation
+  accuracy against cumulative training time (the training loops alone, as logged in
+  ``train_time``), the speed-up of each variant over ``train_without`` (steady-state
+  images/s) and the peak memory per device;
 - ``checkpoint/<variant>/{last,best}.pth, log.jsonl``;
 - ``logs/<variant>.train.log``, ``logs/<variant>.eval.log`` (the commands' output);
 
 and TensorBoard runs under ``tensorboard/compare-<time>/<variant>/``, so that
 ``tensorboard --logdir tensorboard`` shows every variant of the comparison together.
+After the last variant compare.py adds, per variant, the scalar ``compare/val_accuracy``
+(step = epoch) with the wall time of each point set to the comparison's start plus the
+cumulative training time, and a first point at step 0, at that start, valued NaN (no
+accuracy is measured before training; TensorBoard draws it as a small triangle). In
+TensorBoard's Scalars or Time Series tab, filter on ``compare/`` and set the
+horizontal axis to **Relative**: each line then shows validation accuracy against
+training time, all from 0. The figure of ``results.png`` is the image ``compare/results``
+of the run ``compare-<time>``.
 
 A variant that fails is reported as failed with a one-line reason and the others
 still run; the exit status is then 1. For steady-state step throughput without data
@@ -31,7 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ampkit import report, runner
 from ampkit.config import AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser, train_parser
@@ -155,6 +166,7 @@ class Comparison:
         self.device = "cuda" if self.cuda else "cpu"
         self.amp_dtype = args.amp_dtype or ("float16" if self.cuda else "bfloat16")
         self.torch_version = torch.__version__
+        self.started = time.time()  # the common start of the TensorBoard accuracy curves
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.stamp = stamp
         n = 2
@@ -295,12 +307,53 @@ class Comparison:
                                      title="AlexNet AMP comparison", preamble=preamble, notes=notes)
         if not plot:
             return text
+        curves = {r.variant: report.accuracy_curve(
+            report.read_log(self.ckpt_dir / r.variant / "log.jsonl")) for r in results}
+        figure = None
         try:
-            report.plot_results(results, self.dir / "results.png",
-                                title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
+            figure = report.plot_results(
+                results, self.dir / "results.png", curves=curves,
+                title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
         except Exception as e:  # a plot must not cost the user the table
             print(f"compare.py: warning: results.png not written ({e})", file=sys.stderr)
+        if a.tensorboard:
+            try:
+                write_tensorboard(self.tb_dir, curves, self.started, figure)
+            except Exception as e:  # nor TensorBoard
+                print(f"compare.py: warning: TensorBoard curves not written ({e})",
+                      file=sys.stderr)
         return text
+
+
+TB_ACCURACY = "compare/val_accuracy"
+TB_FIGURE = "compare/results"
+
+
+def write_tensorboard(tb_dir: Path, curves: Dict[str, List[Tuple[int, float, float]]],
+                      start: float, figure=None) -> None:
+    """``compare/val_accuracy`` in ``tb_dir/<variant>/`` for every variant with a curve
+    (``report.accuracy_curve`` points), at wall time ``start`` + cumulative training time,
+    after an anchor at step 0 valued NaN at ``start`` itself: TensorBoard's Relative axis
+    counts from a series' first point, so the anchor makes it count from the start of
+    training. ``figure`` (the results figure) goes to ``tb_dir`` as ``compare/results``."""
+    from torch.utils.tensorboard import SummaryWriter  # only with --tensorboard
+
+    for variant, points in curves.items():
+        if not points:
+            continue
+        writer = SummaryWriter(str(tb_dir / variant))
+        try:
+            writer.add_scalar(TB_ACCURACY, float("nan"), global_step=0, walltime=start)
+            for epoch, seconds, acc in points:
+                writer.add_scalar(TB_ACCURACY, acc, global_step=epoch, walltime=start + seconds)
+        finally:
+            writer.close()
+    if figure is not None:
+        writer = SummaryWriter(str(tb_dir))
+        try:
+            writer.add_figure(TB_FIGURE, figure, global_step=0, walltime=start)
+        finally:
+            writer.close()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -336,7 +389,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\nresults: {comp.dir / 'results.csv'}, results.md, results.png")
     if args.tensorboard:
         print(f"TensorBoard: this comparison's runs are under {comp.tb_dir}/<variant>/; to see "
-              f"every variant in one view: tensorboard --logdir {_short(args.tensorboard_root)}")
+              f"every variant in one view: tensorboard --logdir {_short(args.tensorboard_root)} "
+              f"(accuracy vs training time: {TB_ACCURACY}, horizontal axis 'Relative')")
     failed = [r.variant for r in results if r.status == FAILED]
     if failed:
         print(f"{len(failed)} of {len(results)} variant(s) failed: {', '.join(failed)}", flush=True)

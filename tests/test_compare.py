@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,137 @@ def test_summarise_log_sums_training_time_and_takes_steady_throughput():
     # A resumed run appends a row for an epoch it redid: the last one counts, once.
     again = report.summarise_log(rows[:2] + [dict(rows[1], train_time=9.0)])
     assert again["epochs"] == 2 and again["train_time_s"] == pytest.approx(19.0)
+
+
+def test_accuracy_curve_is_accuracy_against_cumulative_training_time():
+    rows = [{"epoch": 1, "train_time": 10.0, "epoch_time": 14.0, "val_acc": 0.4},
+            {"epoch": 2, "train_time": 8.0, "epoch_time": 12.0, "val_acc": 0.6},
+            # resumed: epoch 2 again; its last row counts, once
+            {"epoch": 2, "train_time": 9.0, "epoch_time": 13.0, "val_acc": 0.65},
+            {"epoch": 3, "train_time": 7.0, "epoch_time": 11.0, "val_acc": 0.7}]
+    assert report.accuracy_curve(rows) == [(1, 10.0, 0.4), (2, 19.0, 0.65), (3, 26.0, 0.7)]
+    # rows out of order: the last row of an epoch in the file counts, not the highest epoch
+    assert report.accuracy_curve(list(reversed(rows))) == [(1, 10.0, 0.4), (2, 18.0, 0.6),
+                                                           (3, 25.0, 0.7)]
+    # an epoch without val_acc adds its time but no point
+    assert report.accuracy_curve([rows[0], {"epoch": 2, "train_time": 5.0}, rows[3]]) == \
+        [(1, 10.0, 0.4), (3, 22.0, 0.7)]
+    # unknown training time or a missing epoch: the later points' times are unknown
+    assert report.accuracy_curve([rows[0], {"epoch": 2, "val_acc": 0.5}, rows[3]]) == \
+        [(1, 10.0, 0.4)]
+    assert report.accuracy_curve([rows[0], rows[3]]) == [(1, 10.0, 0.4)]
+    assert report.accuracy_curve([rows[1]]) == []
+    assert report.accuracy_curve([]) == []
+
+
+def _result(variant, status="ok", images_per_s=None, peak_mem_mb=None, device="cpu",
+            source="log"):
+    from ampkit.variants import TRAIN_VARIANTS
+
+    parallel, precision = TRAIN_VARIANTS[variant]
+    return report.VariantResult(variant=variant, parallel=parallel, precision=precision,
+                                amp_dtype="" if precision == "fp32" else "bfloat16",
+                                device=device, devices=2 if parallel == "ddp" else 1,
+                                images_per_s=images_per_s, peak_mem_mb=peak_mem_mb,
+                                peak_mem_source=source if peak_mem_mb else "", status=status)
+
+
+def test_speedups_divide_by_train_without_and_refuse_a_missing_baseline():
+    results = [_result("train_without", images_per_s=20.0),
+               _result("train_autocast", images_per_s=30.0),
+               _result("train_DDP", status="failed", images_per_s=50.0),
+               _result("train_DP", images_per_s=None)]
+    ratios, note = report.speedups(results)
+    assert note == ""
+    assert ratios == {"train_without": 1.0, "train_autocast": 1.5, "train_DDP": None,
+                      "train_DP": None}
+    ratios, note = report.speedups(results[1:])
+    assert set(ratios.values()) == {None} and "train_without was not among" in note
+    ratios, note = report.speedups([_result("train_without", "failed", 20.0)] + results[1:2])
+    assert set(ratios.values()) == {None} and "train_without failed" in note
+
+
+def test_memory_kind_says_gpu_allocated_or_rss():
+    assert report.memory_kind(_result("train_DP", peak_mem_mb=900.0, device="cuda")) == \
+        "GPU allocated"
+    assert report.memory_kind(_result("train_DP", peak_mem_mb=900.0)) == "process RSS"
+    assert report.memory_kind(_result("train_DP", peak_mem_mb=900.0, device="cuda",
+                                      source="rss")) == "process RSS"
+    assert report.memory_kind(_result("train_DP")) == ""
+
+
+def _panel_texts(ax):
+    return [t.get_text() for t in ax.texts]
+
+
+def test_plot_results_draws_the_three_views(tmp_path):
+    from matplotlib.patches import Rectangle
+
+    results = [_result("train_without", images_per_s=20.0, peak_mem_mb=1000.0),
+               _result("train_autocast", images_per_s=30.0, peak_mem_mb=800.0),
+               _result("train_DDP", status="failed", peak_mem_mb=1200.0)]
+    curves = {"train_without": [(1, 10.0, 0.4), (2, 19.0, 0.6)],
+              "train_autocast": [(1, 6.0, 0.3), (2, 12.0, 0.7)],
+              "train_DDP": [(1, 30.0, 0.2)]}
+    fig = report.plot_results(results, tmp_path / "r.png", title="t", curves=curves)
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    acc, speed, mem = fig.axes
+    assert [ax.get_title() for ax in fig.axes] == [
+        "accuracy vs training time", "speed-up over train_without (fp32, 1 device)",
+        "peak memory per device: process RSS"]
+    # 1: one line per variant, x = cumulative training time, y = val accuracy
+    lines = acc.get_lines()
+    assert [list(ln.get_xdata()) for ln in lines] == [[10.0, 19.0], [6.0, 12.0], [30.0]]
+    assert [list(ln.get_ydata()) for ln in lines] == [[0.4, 0.6], [0.3, 0.7], [0.2]]
+    labels = [t.get_text() for t in acc.get_legend().get_texts()]
+    assert labels == ["train_without", "train_autocast", "train_DDP (failed)"]
+    # the legend is outside the axes, over no data
+    assert not acc.get_legend().get_window_extent().overlaps(acc.get_window_extent())
+    # 2: bars of images/s / train_without's; the failed variant says so instead of a bar
+    bars = [p for p in speed.patches if isinstance(p, Rectangle)]
+    assert [b.get_width() for b in bars] == [1.0, 1.5]
+    assert "failed" in _panel_texts(speed)
+    # 3: peak memory, the failed variant's too (it ran), marked by its tick label
+    assert [b.get_width() for b in mem.patches] == [1000.0, 800.0, 1200.0]
+    assert [t.get_text() for t in mem.get_yticklabels()][2] == "train_DDP (failed)"
+    # no baseline: said in the panel, no bars
+    fig = report.plot_results(results[1:], tmp_path / "r2.png", curves=curves)
+    assert list(fig.axes[1].patches) == []
+    assert any("no baseline: train_without was not among" in t for t in _panel_texts(fig.axes[1]))
+
+
+def test_write_tensorboard_puts_accuracy_at_the_cumulative_training_time(tmp_path):
+    import compare
+
+    curves = {"train_without": [(1, 10.0, 0.4), (2, 19.0, 0.6)], "train_DDP": []}
+    fig = report.plot_results([_result("train_without", images_per_s=1.0)], None, curves=curves)
+    compare.write_tensorboard(tmp_path, curves, 1000.0, fig)
+    points = _tb_points(tmp_path / "train_without", compare.TB_ACCURACY)
+    assert [p[:2] for p in points] == [(0, 1000.0), (1, 1010.0), (2, 1019.0)]
+    assert math.isnan(points[0][2]) and [p[2] for p in points[1:]] == pytest.approx([0.4, 0.6])
+    assert not (tmp_path / "train_DDP").exists()  # nothing to draw: no run
+    assert compare.TB_FIGURE in _tb_tags(tmp_path, recursive=False)
+
+
+def _tb_events(folder: Path, recursive: bool = True):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    files = event_files(folder) if recursive else sorted(folder.glob("events.out.tfevents*"))
+    for f in files:
+        yield from EventFileLoader(str(f)).Load()
+
+
+def _tb_tags(folder: Path, recursive: bool = True):
+    return {v.tag for ev in _tb_events(folder, recursive) for v in ev.summary.value}
+
+
+def _tb_points(folder: Path, tag: str):
+    """(step, wall time, value) of a scalar, in the order written."""
+    from tensorboard.util import tensor_util
+
+    return [(ev.step, ev.wall_time,
+             float(tensor_util.make_ndarray(v.tensor)) if v.HasField("tensor") else v.simple_value)
+            for ev in _tb_events(folder) for v in ev.summary.value if v.tag == tag]
 
 
 def test_failure_reason_finds_the_one_line():
@@ -111,6 +243,23 @@ def test_compare_writes_the_three_files_and_prints_the_table(comparison):
     tb = tmp / "tb"
     for v in OK_VARIANTS:
         assert event_files(next(tb.glob(f"compare-*/{v}"))), f"no TensorBoard events for {v}"
+
+
+@pytest.mark.slow
+def test_compare_sends_accuracy_against_training_time_to_tensorboard(comparison):
+    import compare
+
+    res, out, rows, tmp = comparison
+    (run,) = (tmp / "tb").glob("compare-*")
+    for v in OK_VARIANTS:
+        points = _tb_points(run / v, compare.TB_ACCURACY)
+        log = report.read_log(out / "checkpoint" / v / "log.jsonl")
+        assert [p[0] for p in points] == [0, 1], (v, points)  # the anchor, then epoch 1
+        # the Relative axis: training time of the log, counted from the anchor
+        assert points[1][1] - points[0][1] == pytest.approx(log[0]["train_time"], abs=1e-3)
+        assert points[1][2] == pytest.approx(log[0]["val_acc"])
+    assert compare.TB_ACCURACY not in _tb_tags(run / FAILING)  # no epoch: no curve
+    assert compare.TB_FIGURE in _tb_tags(run, recursive=False)
 
 
 @pytest.mark.slow

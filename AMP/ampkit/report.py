@@ -3,7 +3,9 @@
 Plain Python (no torch import), so the parent process of a comparison stays light;
 running the children is :mod:`ampkit.runner`'s.
 
-- :func:`summarise_log` turns a run's ``log.jsonl`` into the report's numbers.
+- :func:`summarise_log` turns a run's ``log.jsonl`` into the report's numbers;
+  :func:`accuracy_curve` into (epoch, cumulative training time, val accuracy) points.
+- :func:`speedups` divides each variant's images/s by the fp32 single-device baseline's.
 - :func:`parse_eval_output` reads ``correct/total = acc`` from an eval script.
 - :func:`write_csv`, :func:`markdown_table`, :func:`write_markdown`,
   :func:`plot_results` write ``results.csv``, ``results.md``, ``results.png``.
@@ -18,7 +20,7 @@ import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 OK, FAILED, NOT_RUN, INTERRUPTED = "ok", "failed", "not run", "interrupted"
 
@@ -89,15 +91,48 @@ def steady_images_per_s(values: Sequence[float]) -> Optional[float]:
     return float(statistics.median(values[1:] if len(values) > 1 else values))
 
 
+def epoch_rows(rows: Sequence[Dict]) -> List[Dict]:
+    """One row per epoch, in epoch order: a resumed run appends rows, and the last row
+    of an epoch is the one that counts."""
+    by_epoch: Dict[int, Dict] = {}
+    for r in rows:
+        if isinstance(r.get("epoch"), int) and not isinstance(r.get("epoch"), bool):
+            by_epoch[r["epoch"]] = r
+    return [by_epoch[e] for e in sorted(by_epoch)]
+
+
+def _finite(v) -> Optional[float]:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def accuracy_curve(rows: Sequence[Dict]) -> List[Tuple[int, float, float]]:
+    """``(epoch, cumulative training seconds, val_acc)`` for each epoch of a log.
+
+    The time is the sum of ``train_time`` (the training loops alone: no validation, no
+    checkpointing, no start-up) up to and including that epoch. The curve stops at the
+    first epoch whose training time is unknown, or where an epoch is missing, since the
+    time of every later point would then be wrong; an epoch without ``val_acc`` adds its
+    time but no point.
+    """
+    points: List[Tuple[int, float, float]] = []
+    total = 0.0
+    for expected, r in enumerate(epoch_rows(rows), 1):
+        seconds = _finite(r.get("train_time"))
+        if r["epoch"] != expected or seconds is None:
+            break
+        total += seconds
+        acc = _finite(r.get("val_acc"))
+        if acc is not None:
+            points.append((r["epoch"], total, acc))
+    return points
+
+
 def summarise_log(rows: Sequence[Dict]) -> Dict[str, Optional[float]]:
     """epochs, train_time_s (sum of ``train_time``), images_per_s (steady state),
     best_val_acc and peak_mem_mb (max of ``peak_mem_mb`` when the rows have it)."""
-    # A resumed run appends rows; keep the last row of each epoch.
-    by_epoch: Dict[int, Dict] = {}
-    for r in rows:
-        if isinstance(r.get("epoch"), int):
-            by_epoch[r["epoch"]] = r
-    rows = [by_epoch[e] for e in sorted(by_epoch)]
+    rows = epoch_rows(rows)
     train = _numbers(rows, "train_time")
     acc = _numbers(rows, "val_acc")
     mem = _numbers(rows, "peak_mem_mb")
@@ -202,47 +237,150 @@ def write_markdown(results: Sequence[VariantResult], path: Path, *, title: str,
     return text
 
 
-def plot_results(results: Sequence[VariantResult], path: Path, title: str = "") -> None:
-    """Two panels, one bar group per variant: time (wall, training alone) and accuracy."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+# --------------------------------------------------------------------------- the figure
+BASELINE = "train_without"  # fp32 on one device: what every technique is measured against
 
-    names = [r.variant for r in results]
-    y = list(range(len(results)))
-    fig, (ax_t, ax_a) = plt.subplots(1, 2, figsize=(12, 0.55 * len(results) + 1.8), sharey=True)
-    walls = [(r.wall_time_s or 0.0) if r.status == OK else 0.0 for r in results]
-    unit, div = ("min", 60.0) if max(walls, default=0) >= 300 else ("s", 1.0)
-    h = 0.38
-    ax_t.barh([i - h / 2 for i in y], [w / div for w in walls], h, label="total wall time",
-              color="#9ecae1")
-    ax_t.barh([i + h / 2 for i in y],
-              [(r.train_time_s or 0.0) / div if r.status == OK else 0.0 for r in results], h,
-              label="training alone (no validation)", color="#3182bd")
-    ax_t.set_xlabel(f"time ({unit})")
-    ax_t.set_title("time per variant")
-    ax_a.barh([i - h / 2 for i in y], [r.best_val_acc or 0.0 for r in results], h,
-              label="best val acc", color="#a1d99b")
-    ax_a.barh([i + h / 2 for i in y], [r.test_acc or 0.0 for r in results], h,
-              label="test acc (eval script)", color="#31a354")
-    ax_a.set_xlim(0, 1)
-    ax_a.set_xlabel("top-1 accuracy")
-    ax_a.set_title("accuracy per variant")
+
+def speedups(results: Sequence[VariantResult], baseline: str = BASELINE
+             ) -> Tuple[Dict[str, Optional[float]], str]:
+    """Each variant's steady-state images/s divided by ``baseline``'s, and a note.
+
+    The ratio is None for a variant that did not finish (status other than ok) or has no
+    images/s. Without a usable baseline (not run, failed, no images/s) every ratio is
+    None and the note says why; otherwise the note is empty.
+    """
+    none = {r.variant: None for r in results}
+    base = next((r for r in results if r.variant == baseline), None)
+    if base is None:
+        return none, f"no baseline: {baseline} was not among the variants"
+    if base.status != OK:
+        return none, f"no baseline: {baseline} {base.status}"
+    if not base.images_per_s or base.images_per_s <= 0:
+        return none, f"no baseline: {baseline} logged no images/s"
+    return {r.variant: (r.images_per_s / base.images_per_s
+                        if r.status == OK and r.images_per_s else None)
+            for r in results}, ""
+
+
+def memory_kind(r: VariantResult) -> str:
+    """What ``peak_mem_mb`` measured: the training log's figure is
+    ``torch.cuda.max_memory_allocated`` on a GPU and the peak RSS on the CPU (its
+    ``peak_mem_kind``); compare.py's own fallback is the peak RSS."""
+    if r.peak_mem_mb is None:
+        return ""
+    return "GPU allocated" if r.peak_mem_source == "log" and r.device == "cuda" else "process RSS"
+
+
+_STYLE = {"single": ("-", "o"), "dp": ("--", "s"), "ddp": (":", "^")}
+_NOT_OK_COLOUR = "#cb181d"
+
+
+def _colour(i: int) -> str:
+    return ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+            "#7f7f7f", "#bcbd22", "#17becf"][i % 10]
+
+
+def _accuracy_panel(ax, results: Sequence[VariantResult],
+                    curves: Dict[str, List[Tuple[int, float, float]]]) -> None:
+    """Validation accuracy against cumulative training time, one line per variant."""
+    longest = max((c[-1][1] for c in curves.values() if c), default=0.0)
+    unit, div = ("min", 60.0) if longest >= 300 else ("s", 1.0)
     for i, r in enumerate(results):
-        if r.status != OK:
-            for ax in (ax_t, ax_a):
-                ax.text(0.01, i, r.status, transform=ax.get_yaxis_transform(), va="center",
-                        color="#cb181d")
-        elif r.test_acc is not None:
-            ax_a.text(r.test_acc, i + h / 2, f" {r.test_acc:.3f}", va="center", fontsize=8)
-    ax_t.set_yticks(y)
-    ax_t.set_yticklabels(names)
-    ax_t.invert_yaxis()
-    for ax in (ax_t, ax_a):
-        ax.legend(loc="best", fontsize=8)
-        ax.grid(axis="x", alpha=0.3)
+        points = curves.get(r.variant) or []
+        linestyle, marker = _STYLE.get(r.parallel, ("-", "o"))
+        label = r.variant if r.status == OK else f"{r.variant} ({r.status})"
+        if r.status == OK and not points:
+            label += " (no epoch logged)"
+        ax.plot([t / div for _, t, _ in points], [a for _, _, a in points], label=label,
+                color=_colour(i), linestyle=linestyle, marker=marker, markersize=5,
+                alpha=1.0 if r.status == OK else 0.45)
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel(f"cumulative training time ({unit}; training loops only, no validation)")
+    ax.set_ylabel("validation accuracy (top-1)")
+    ax.set_title("accuracy vs training time")
+    ax.grid(alpha=0.3)
+    if results:  # below the axes, never over the lines
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8,
+                  frameon=False)
+
+
+def _bar_panel(ax, results: Sequence[VariantResult], values: Dict[str, Optional[float]],
+               fmt) -> List[Optional[float]]:
+    """One horizontal bar per variant (in the accuracy panel's colours) with its value
+    written at its end; a variant without a value gets its status written instead."""
+    drawn = [values.get(r.variant) for r in results]
+    top = max((v for v in drawn if v is not None), default=1.0) or 1.0
+    for i, (r, v) in enumerate(zip(results, drawn)):
+        if v is None:
+            why = r.status if r.status != OK else "not measured"
+            ax.text(0.02, i, why, transform=ax.get_yaxis_transform(), va="center",
+                    color=_NOT_OK_COLOUR, fontsize=9)
+            continue
+        ax.barh(i, v, 0.7, color=_colour(i), alpha=1.0 if r.status == OK else 0.45,
+                hatch=None if r.status == OK else "//")
+        ax.text(v + 0.01 * top, i, fmt(r, v), va="center", fontsize=8)
+    ax.set_xlim(0, top * 1.3)
+    ax.set_ylim(max(len(results), 1) - 0.5, -0.5)  # the first variant on top
+    ax.grid(axis="x", alpha=0.3)
+    return drawn
+
+
+def _speedup_panel(ax, results: Sequence[VariantResult]) -> List[Optional[float]]:
+    ratios, note = speedups(results)
+    drawn = _bar_panel(ax, results, ratios, lambda r, v: f"{v:.2f}x")
+    if note:
+        ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center",
+                fontsize=10, color=_NOT_OK_COLOUR, wrap=True,
+                bbox=dict(facecolor="white", edgecolor=_NOT_OK_COLOUR))
+    else:
+        ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel(f"images/s (steady state) / {BASELINE}'s")
+    ax.set_title(f"speed-up over {BASELINE} (fp32, 1 device)")
+    return drawn
+
+
+def _memory_panel(ax, results: Sequence[VariantResult]) -> List[Optional[float]]:
+    kinds = sorted({memory_kind(r) for r in results} - {""})
+    mixed = len(kinds) > 1
+    drawn = _bar_panel(ax, results, {r.variant: r.peak_mem_mb for r in results},
+                       lambda r, v: f"{v:.0f}" + (f" ({memory_kind(r)})" if mixed else ""))
+    ax.set_xlabel("MB (the run's largest process or device)")
+    ax.set_title("peak memory per device" + (f": {kinds[0]}" if len(kinds) == 1 else ""))
+    return drawn
+
+
+def plot_results(results: Sequence[VariantResult], path: Optional[Path] = None,
+                 title: str = "",
+                 curves: Optional[Dict[str, List[Tuple[int, float, float]]]] = None):
+    """Three panels side by side, and the figure returned (a matplotlib ``Figure``
+    outside pyplot: nothing to close); written to ``path`` as a PNG when given.
+
+    1. validation accuracy against cumulative training time, from ``curves``
+       (variant -> :func:`accuracy_curve` points);
+    2. speed-up over ``train_without`` (:func:`speedups`);
+    3. peak memory per device (``peak_mem_mb``, labelled GPU allocated or process RSS).
+
+    A variant that did not finish is drawn faded with its status in the legend, and its
+    status is written in place of its bars.
+    """
+    from matplotlib.figure import Figure
+
+    curves = curves or {}
+    fig = Figure(figsize=(17, 0.3 * len(results) + 5.2), layout="constrained")
+    ax_acc, ax_speed, ax_mem = fig.subplots(1, 3, width_ratios=[1.35, 1, 1])
+    _accuracy_panel(ax_acc, results, curves)
+    _speedup_panel(ax_speed, results)
+    _memory_panel(ax_mem, results)
+    names = [r.variant if r.status == OK else f"{r.variant} ({r.status})" for r in results]
+    for ax in (ax_speed, ax_mem):
+        ax.set_yticks(range(len(results)))
+        ax.set_yticklabels(names, fontsize=9)
+        for label, r in zip(ax.get_yticklabels(), results):
+            if r.status != OK:
+                label.set_color(_NOT_OK_COLOUR)
     if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        fig.suptitle(title, fontsize=11)
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
