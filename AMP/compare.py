@@ -19,14 +19,13 @@ eval_DDP) on its own ``last.pth``. Everything lands under ``<out>/<time>/``:
 
 and TensorBoard runs under ``tensorboard/compare-<time>/<variant>/``, so that
 ``tensorboard --logdir tensorboard`` shows every variant of the comparison together.
-After the last variant compare.py adds, per variant, the scalar ``compare/val_accuracy``
-(step = epoch) with the wall time of each point set to the comparison's start plus the
-cumulative training time, and a first point at step 0, at that start, valued NaN (no
-accuracy is measured before training; TensorBoard draws it as a small triangle). In
-TensorBoard's Scalars or Time Series tab, filter on ``compare/`` and set the
-horizontal axis to **Relative**: each line then shows validation accuracy against
-training time, all from 0. The figure of ``results.png`` is the image ``compare/results``
-of the run ``compare-<time>``.
+After the last variant compare.py adds, per variant, the scalar
+``compare/val_accuracy_by_train_ms``: validation accuracy at each epoch's end, with the
+cumulative training time in milliseconds as its step (and the comparison's start plus that
+time as its wall time). In TensorBoard's Scalars or Time Series tab, filter on
+``compare/``: with the default Step axis each line shows validation accuracy against
+training time. The figure of ``results.png`` is the image ``compare/results`` of the run
+``compare-<time>``.
 
 A variant that fails is reported as failed with a one-line reason and the others
 still run; the exit status is then 1. For steady-state step throughput without data
@@ -325,17 +324,16 @@ class Comparison:
         return text
 
 
-TB_ACCURACY = "compare/val_accuracy"
+TB_ACCURACY = "compare/val_accuracy_by_train_ms"
 TB_FIGURE = "compare/results"
 
 
 def write_tensorboard(tb_dir: Path, curves: Dict[str, List[Tuple[int, float, float]]],
                       start: float, figure=None) -> None:
-    """``compare/val_accuracy`` in ``tb_dir/<variant>/`` for every variant with a curve
-    (``report.accuracy_curve`` points), at wall time ``start`` + cumulative training time,
-    after an anchor at step 0 valued NaN at ``start`` itself: TensorBoard's Relative axis
-    counts from a series' first point, so the anchor makes it count from the start of
-    training. ``figure`` (the results figure) goes to ``tb_dir`` as ``compare/results``."""
+    """``compare/val_accuracy_by_train_ms`` in ``tb_dir/<variant>/`` for every variant with a
+    curve (``report.accuracy_curve`` points): step = cumulative training time in ms, wall
+    time = ``start`` + that time. ``figure`` (the results figure) goes to ``tb_dir`` as
+    ``compare/results``."""
     from torch.utils.tensorboard import SummaryWriter  # only with --tensorboard
 
     for variant, points in curves.items():
@@ -343,9 +341,9 @@ def write_tensorboard(tb_dir: Path, curves: Dict[str, List[Tuple[int, float, flo
             continue
         writer = SummaryWriter(str(tb_dir / variant))
         try:
-            writer.add_scalar(TB_ACCURACY, float("nan"), global_step=0, walltime=start)
-            for epoch, seconds, acc in points:
-                writer.add_scalar(TB_ACCURACY, acc, global_step=epoch, walltime=start + seconds)
+            for _, seconds, acc in points:
+                writer.add_scalar(TB_ACCURACY, acc, global_step=round(seconds * 1000),
+                                  walltime=start + seconds)
         finally:
             writer.close()
     if figure is not None:
@@ -390,7 +388,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.tensorboard:
         print(f"TensorBoard: this comparison's runs are under {comp.tb_dir}/<variant>/; to see "
               f"every variant in one view: tensorboard --logdir {_short(args.tensorboard_root)} "
-              f"(accuracy vs training time: {TB_ACCURACY}, horizontal axis 'Relative')")
+              f"(accuracy vs training time: {TB_ACCURACY})")
     failed = [r.variant for r in results if r.status == FAILED]
     if failed:
         print(f"{len(failed)} of {len(results)} variant(s) failed: {', '.join(failed)}", flush=True)
