@@ -26,8 +26,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ampkit.config import AMP_DTYPES, DATA_DIR, MIN_IMG_SIZE, Parser
-from ampkit.variants import TRAIN_VARIANTS
+from ampkit.config import AMP_DTYPES, DATA_DIR, Parser, check_arch_flags
+from ampkit.errors import UserError
+from ampkit.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
 
 PIPELINES = {"all": ["article", "classic", "fast"], "both": ["classic", "fast"],
              "article": ["article"], "classic": ["classic"], "fast": ["fast"], "none": []}
@@ -39,8 +40,10 @@ def build_parser() -> Parser:
                formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(
                    prog, max_help_position=32))
     p.add_argument("--variants", default=None,
-                   help="comma-separated variants to measure, or 'none' (input pipeline only). "
-                        "Default: all nine")
+                   help="comma-separated variants to measure, 'all' (the FSDP ones too), or "
+                        "'none' (input pipeline only). Default: the article's nine")
+    p.add_argument("--arch", default="alexnet",
+                   help="the network (alexnet, or a torchvision classifier; --arch list)")
     p.add_argument("--batch_size", type=int, default=64, help="images per step (per process)")
     p.add_argument("--img_size", type=int, default=227)
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
@@ -91,6 +94,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     if args.variants is None:
+        args.variants = ",".join(ARTICLE_VARIANTS)
+    if args.variants.strip() == "all":
         args.variants = ",".join(TRAIN_VARIANTS)
     if args.variants.strip().lower() == "none":
         names = []
@@ -106,8 +111,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"--{flag} must be a positive integer")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
-    if args.img_size < MIN_IMG_SIZE:
-        p.error(f"--img_size must be at least {MIN_IMG_SIZE} for AlexNet")
+    try:
+        check_arch_flags(args.arch, args.img_size)
+    except UserError as e:
+        p.error(str(e))
     for flag in ("peak_tflops", "peak_tflops_fp32"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             p.error(f"--{flag} must be positive")
@@ -123,7 +130,6 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
     import torch
 
     from ampkit import measure
-    from ampkit.errors import UserError
 
     results = []
     ddp = measure.DDPGroup(device.type == "cuda")
@@ -133,7 +139,8 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
                 r = measure.measure_variant(
                     variant, device=device, batch_size=args.batch_size, img_size=args.img_size,
                     warmup=args.warmup, steps=args.steps, amp_dtype=args.amp_dtype,
-                    num_classes=args.num_classes, lr=args.lr, peak_tflops=args.peak_tflops,
+                    num_classes=args.num_classes, lr=args.lr, arch=args.arch,
+                    peak_tflops=args.peak_tflops,
                     peak_tflops_fp32=args.peak_tflops_fp32, fp32_math=fp32_math, ddp=ddp,
                     channels_last=args.channels_last, compile=args.compile,
                     dp_scope=args.dp_scope)
@@ -142,7 +149,7 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
             except (UserError, RuntimeError, ValueError) as e:
                 par, prec = TRAIN_VARIANTS[variant]
                 r = measure.StepResult(
-                    variant=variant, parallel=par, precision=prec, amp_dtype="",
+                    variant=variant, parallel=par, precision=prec, amp_dtype="", arch=args.arch,
                     device=device.type, devices=1, batch_size=args.batch_size,
                     img_size=args.img_size, warmup=args.warmup, steps=args.steps,
                     status="failed", reason=(str(e).strip().splitlines() or [type(e).__name__])[0])
@@ -163,7 +170,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ampkit import measure
     from ampkit.data import default_workers
     from ampkit.distributed import want_cuda
-    from ampkit.errors import UserError
     from ampkit.precision import cpu_has_fast_bf16, set_tf32
 
     try:
@@ -177,7 +183,8 @@ def main(argv: Optional[List[str]] = None) -> int:
              else f"CPU ({torch.get_num_threads()} torch threads)")
     extras = [name for name, on in (("channels_last", args.channels_last),
                                     ("torch.compile", args.compile)) if on]
-    print(f"benchmark.py: {len(args.variant_list)} variant(s) on {where}, batch {args.batch_size} "
+    print(f"benchmark.py: {len(args.variant_list)} variant(s) of {args.arch} on {where}, batch "
+          f"{args.batch_size} "
           f"at {args.img_size}px, {args.warmup} warm-up + {args.steps} timed steps, torch "
           f"{torch.__version__}" + "".join(f", {e}" for e in extras), flush=True)
     if device.type == "cpu" and args.amp_dtype != "float16" and cpu_has_fast_bf16() is False \

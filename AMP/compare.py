@@ -44,9 +44,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ampkit import report, runner
-from ampkit.config import AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser, train_parser
+from ampkit.config import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
+                           check_arch_flags, train_parser)
+from ampkit.errors import UserError
 from ampkit.report import FAILED, INTERRUPTED, NOT_RUN, OK, VariantResult
-from ampkit.variants import TRAIN_VARIANTS, eval_name
+from ampkit.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS, eval_name
 
 AMP_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = REPO_ROOT / "results"
@@ -59,8 +61,11 @@ def build_parser() -> Parser:
                    prog, max_help_position=32))
     p.add_argument("--variants", default=None,
                    help="comma-separated training variants to run, in this order "
-                        f"(any of: {', '.join(TRAIN_VARIANTS)}). Default: all nine")
+                        f"(any of: {', '.join(TRAIN_VARIANTS)}), or 'all'. Default: the "
+                        "article's nine (all but the FSDP ones)")
     g = p.add_argument_group("passed to every variant")
+    g.add_argument("--arch", default=d.get_default("arch"),
+                   help="the network (alexnet, or a torchvision classifier; --arch list)")
     g.add_argument("--dataset", choices=DATASETS, default=d.get_default("dataset"))
     g.add_argument("--dataset_root", type=Path, default=d.get_default("dataset_root"))
     g.add_argument("--img_size", type=int, default=d.get_default("img_size"))
@@ -94,7 +99,9 @@ def build_parser() -> Parser:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    names = [v.strip() for v in (args.variants or ",".join(TRAIN_VARIANTS)).split(",")
+    chosen = args.variants or ",".join(ARTICLE_VARIANTS)
+    chosen = ",".join(TRAIN_VARIANTS) if chosen.strip() == "all" else chosen
+    names = [v.strip() for v in chosen.split(",")
              if v.strip()]
     unknown = [v for v in names if v not in TRAIN_VARIANTS]
     if unknown:
@@ -107,6 +114,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for flag in ("epochs", "batch_size", "img_size"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag} must be a positive integer")
+    try:
+        check_arch_flags(args.arch, args.img_size)
+    except UserError as e:
+        p.error(str(e))
     if args.nproc is not None and args.nproc <= 0:
         p.error("--nproc must be a positive integer")
     extra = {}
@@ -183,7 +194,7 @@ class Comparison:
     # -- commands -------------------------------------------------------------
     def _launcher(self, parallel: str, script: str) -> List[str]:
         path = str(AMP_DIR / f"{script}.py")
-        if parallel == "ddp":
+        if parallel in DISTRIBUTED:
             return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={self.nproc}", path]
         return [sys.executable, path]
@@ -193,6 +204,8 @@ class Comparison:
         cmd = ["--dataset", a.dataset, "--dataset_root", str(a.dataset_root),
                "--img_size", str(a.img_size), "--batch_size", str(a.batch_size),
                "--cuda" if self.cuda else "--no-cuda"]
+        if a.arch != "alexnet":
+            cmd += ["--arch", a.arch]
         if a.num_workers is not None:
             cmd += ["--num_workers", str(a.num_workers)]
         return cmd
@@ -214,7 +227,7 @@ class Comparison:
             "--checkpoint", str(checkpoint)]
 
     def devices(self, parallel: str) -> int:
-        if parallel == "ddp":
+        if parallel in DISTRIBUTED:
             return self.nproc
         if parallel == "dp":
             return max(self.gpus, 1)
@@ -228,7 +241,7 @@ class Comparison:
                           device=self.device, devices=self.devices(parallel))
         run_dir = self.ckpt_dir / variant
         cmd = self.train_cmd(variant)
-        where = (f"{r.devices} {self.device} processes" if parallel == "ddp"
+        where = (f"{r.devices} {self.device} processes" if parallel in DISTRIBUTED
                  else f"{r.devices} {self.device}")
         print(f"\n==> [{index}/{count}] {variant} ({parallel}, {precision}"
               f"{', ' + r.amp_dtype if r.amp_dtype else ''}) on {where}", flush=True)
@@ -242,6 +255,7 @@ class Comparison:
         r.best_val_acc = summary["best_val_acc"]
         if summary["peak_mem_mb"] is not None:
             r.peak_mem_mb, r.peak_mem_source = summary["peak_mem_mb"], "log"
+            r.peak_mem_per_rank = summary["peak_mem_per_rank"]
         elif run.max_rss_mb is not None:
             r.peak_mem_mb, r.peak_mem_source = run.max_rss_mb, "rss"
         if run.interrupted:

@@ -9,9 +9,9 @@ loss so that float16 gradients do not underflow, and skips the steps whose gradi
 overflow. The gradients are summed on GPU 0, where the one scaler and optimizer live.
 
 Pitfall: autocast state is thread-local. DataParallel's replica threads re-enter autocast
-with the caller's on/off flag but their own default dtype, so AlexNet's forward re-enters
-autocast itself with the run's dtype (model.amp_dtype, alexnet.py). fp16 needs the scaler;
-bf16 (--amp_dtype bfloat16) does not.
+with the caller's on/off flag but their own default dtype, so the model's forward re-enters
+autocast itself with the run's dtype (autocast_in_replicas, ampkit/models.py). fp16 needs
+the scaler; bf16 (--amp_dtype bfloat16) does not.
 The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
 `python AMP/train_DP_GradScaler.py --help` lists the flags.
 """
@@ -20,13 +20,14 @@ from torch import nn
 
 from ampkit.engine import Parts, Variant
 from ampkit.errors import report_user_errors
+from ampkit.models import autocast_in_replicas
 from ampkit.train import Trainer
 
 
 def build(parts: Parts) -> Variant:
     criterion, optimizer = parts.criterion, parts.optimizer
-    model = parts.model
-    model.amp_dtype = parts.amp_dtype  # forward re-enters autocast in DP's threads (alexnet.py)
+    # autocast is thread-local: the forward re-enters it in DP's replica threads (models.py)
+    model = autocast_in_replicas(parts.model, parts.amp_dtype)
     if parts.dp_scope == "features":
         model.features = nn.DataParallel(model.features)  # the conv layers only
     else:

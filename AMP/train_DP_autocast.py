@@ -9,8 +9,9 @@ float16 (bfloat16 with --amp_dtype bfloat16) and keeps the weights in float32.
 
 Pitfall: autocast state is thread-local. DataParallel's replica threads re-enter autocast
 with the caller's on/off flag but their own default dtype (float16 on CUDA), so a bf16 run
-would silently compute in fp16 there. AlexNet's forward re-enters autocast itself with the
-run's dtype (model.amp_dtype, alexnet.py), in every thread.
+would silently compute in fp16 there. So the model's forward re-enters autocast itself with
+the run's dtype, in every thread: AlexNet by its own amp_dtype (alexnet.py), any other
+--arch in an AutocastForward wrapper (autocast_in_replicas, ampkit/models.py).
 The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
 `python AMP/train_DP_autocast.py --help` lists the flags.
 """
@@ -19,13 +20,14 @@ from torch import nn
 
 from ampkit.engine import Parts, Variant
 from ampkit.errors import report_user_errors
+from ampkit.models import autocast_in_replicas
 from ampkit.train import Trainer
 
 
 def build(parts: Parts) -> Variant:
     criterion, optimizer = parts.criterion, parts.optimizer
-    model = parts.model
-    model.amp_dtype = parts.amp_dtype  # forward re-enters autocast in DP's threads (alexnet.py)
+    # autocast is thread-local: the forward re-enters it in DP's replica threads (models.py)
+    model = autocast_in_replicas(parts.model, parts.amp_dtype)
     if parts.dp_scope == "features":
         model.features = nn.DataParallel(model.features)  # the conv layers only
     else:

@@ -348,19 +348,19 @@ def test_benchmark_channels_last_reaches_the_model_and_its_inputs(monkeypatch, c
     """benchmark.py --channels_last measures what training with --channels_last runs."""
     import torch
 
-    from alexnet import alexnet
     from ampkit import measure
+    from ampkit.models import build_model
 
     seen = []
 
-    def hooked(**kw):
-        model = alexnet(**kw)
+    def hooked(*args, **kw):
+        model = build_model(*args, **kw)
         cl = torch.channels_last
         model.features[0].register_forward_pre_hook(lambda mod, inp: seen.append(
             (inp[0].is_contiguous(memory_format=cl), mod.weight.is_contiguous(memory_format=cl))))
         return model
 
-    monkeypatch.setattr(measure, "alexnet", hooked)
+    monkeypatch.setattr(measure, "build_model", hooked)
     r = measure.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
                               img_size=64, warmup=1, steps=1, channels_last=channels_last)
     assert r.status == "ok" and r.channels_last is channels_last and r.images_per_s > 0

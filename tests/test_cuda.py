@@ -30,9 +30,8 @@ def _build(variant, model, amp_dtype=None, dp_scope="model"):
 
     from ampkit.engine import Parts
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     parts = Parts(torch.device("cuda", torch.cuda.current_device()), model, nn.CrossEntropyLoss(),
-                  optimizer, amp_dtype, dp_scope)
+                  amp_dtype, dp_scope)
     return importlib.import_module(variant).build(parts)
 
 

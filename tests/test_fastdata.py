@@ -230,8 +230,7 @@ def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
     # compared here is the input path, not the model.
     for i in (1, 4):
         model.classifier[i].requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4)
-    v = train_without.build(Parts(CPU, model, nn.CrossEntropyLoss(), optimizer))
+    v = train_without.build(Parts(CPU, model, nn.CrossEntropyLoss(), lr=3e-4))
     losses = []
     for epoch in range(epochs):
         train_dl.sampler.set_epoch(epoch)

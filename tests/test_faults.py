@@ -309,7 +309,7 @@ def test_eval_says_what_the_checkpoint_was_trained_on(imagefolder_root, tmp_path
     code, out, err = _main("eval_without", ["--checkpoint", str(run_dir / "last.pth"),
                                             "--no-cuda"], capsys)
     assert code == 0 and not err, err
-    assert f"(trained on ImageFolder in {imagefolder_root} at 64px)" in out, out
+    assert f"(alexnet, trained on ImageFolder in {imagefolder_root} at 64px)" in out, out
     code, out, err = _main("eval_without", ["--checkpoint", str(run_dir / "last.pth"),
                                             "--no-cuda", "--dataset_root", str(other)], capsys)
     assert code == 0 and len(err) == 1, err

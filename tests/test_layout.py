@@ -12,8 +12,10 @@ from conftest import AMP_DIR
 
 GRID = [["train_without", "train_autocast", "train_GradScaler"],
         ["train_DP", "train_DP_autocast", "train_DP_GradScaler"],
-        ["train_DDP", "train_DDP_autocast", "train_DDP_GradScaler"]]
-SCRIPTS = [name for row in GRID for name in row] + ["eval_without", "eval_DP", "eval_DDP"]
+        ["train_DDP", "train_DDP_autocast", "train_DDP_GradScaler"],
+        ["train_FSDP", "train_FSDP_autocast", "train_FSDP_GradScaler"]]
+SCRIPTS = [name for row in GRID for name in row] + ["train_FSDP_mixed", "eval_without", "eval_DP",
+                                                    "eval_DDP"]
 
 
 def _source(name: str) -> str:
@@ -39,6 +41,10 @@ def _technique(name: str) -> set[str]:
         calls.add("nn.DataParallel(")
     if name.startswith("train_DDP"):
         calls.add("DistributedDataParallel(")
+    if name.startswith("train_FSDP"):
+        calls.add("fully_shard(")
+    if name == "train_FSDP_mixed":
+        calls |= {"MixedPrecisionPolicy(", "torch.amp.GradScaler("}
     if name == "eval_DDP":
         calls |= {"dist.all_reduce(", "range(rank, ev.test_size, world_size)"}
     return calls
@@ -49,9 +55,12 @@ def test_script_contains_its_technique_literally(name):
     code, technique = "\n".join(_code(name)), _technique(name)
     for call in technique:
         assert call in code, f"{name}.py must show {call!r} itself, not behind a helper"
-    for call in ("torch.autocast(", "GradScaler(", "nn.DataParallel(", "DistributedDataParallel("):
+    for call in ("torch.autocast(", "GradScaler(", "nn.DataParallel(", "DistributedDataParallel(",
+                 "fully_shard(", "MixedPrecisionPolicy("):
         if not any(call in c for c in technique):
             assert call not in code, f"{name}.py uses {call!r}, which is not its technique"
+    if name.startswith("train_FSDP"):  # its optimizer is made over the shards, after sharding
+        assert code.index("parts.optimizer") > code.rindex("fully_shard("), name
     if name.startswith("train"):
         assert "optimizer.zero_grad(set_to_none=True)" in code
         assert re.search(r"def train_step\(images, targets\):", code)
@@ -66,6 +75,8 @@ def _pairs():
         yield col[0], col[1]
         yield col[1], col[2]
         yield col[0], col[2]
+        yield col[2], col[3]  # DDP -> FSDP2
+    yield "train_FSDP_GradScaler", "train_FSDP_mixed"  # another technique: a policy per block
 
 
 @pytest.mark.parametrize("a,b", list(_pairs()))
@@ -73,7 +84,7 @@ def test_neighbours_differ_by_their_technique_only(a, b):
     """`diff` of two neighbouring scripts (docstrings and comments aside) is a handful of lines."""
     changed = [ln for ln in difflib.unified_diff(_code(a), _code(b), lineterm="", n=0)
                if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
-    assert len(changed) <= 16, "\n".join(changed)
+    assert len(changed) <= (22 if b == "train_FSDP_mixed" else 16), "\n".join(changed)
 
 
 def _ampkit_modules() -> dict[str, ast.Module]:

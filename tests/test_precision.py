@@ -21,7 +21,7 @@ from torch import nn
 from alexnet import AlexNet, alexnet
 from ampkit.engine import Parts, Variant
 from ampkit.precision import resolve_amp_dtype
-from ampkit.variants import TRAIN_VARIANTS
+from ampkit.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
 
 CPU = torch.device("cpu")
 
@@ -70,8 +70,7 @@ def recording(model: nn.Module):
 def build(variant: str, model: nn.Module, dp_scope: str = "model",
           amp_dtype: str | None = None) -> Variant:
     """The variant's objects, as its training script's build() makes them."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    parts = Parts(CPU, model, nn.CrossEntropyLoss(), optimizer, amp_dtype, dp_scope)
+    parts = Parts(CPU, model, nn.CrossEntropyLoss(), amp_dtype, dp_scope, lr=0.0)
     return importlib.import_module(variant).build(parts)
 
 
@@ -84,7 +83,7 @@ def test_cpu_default_amp_dtype_is_bfloat16():
     assert resolve_amp_dtype("float16", CPU) is torch.float16
 
 
-@pytest.mark.parametrize("variant", sorted(TRAIN_VARIANTS))
+@pytest.mark.parametrize("variant", sorted(ARTICLE_VARIANTS))
 def test_variant_forward_dtype(variant, model, images, gloo_group):
     parallel, precision = TRAIN_VARIANTS[variant]
     want = torch.float32 if precision == "fp32" else torch.bfloat16

@@ -353,8 +353,8 @@ def _nan_model_run(variant: str):
     model = alexnet(num_classes=3)
     with torch.no_grad():
         model.classifier[-1].bias.fill_(float("nan"))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    v = importlib.import_module(variant).build(Parts(cpu, model, torch.nn.CrossEntropyLoss(), opt))
+    v = importlib.import_module(variant).build(Parts(cpu, model, torch.nn.CrossEntropyLoss(),
+                                                     lr=0.0))
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randn(2, 3, 64, 64, generator=gen), torch.randint(0, 3, (2,), generator=gen))
                for _ in range(8)]

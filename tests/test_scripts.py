@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 
 TRAIN_SCRIPTS = ["train_without", "train_autocast", "train_GradScaler",
                  "train_DP", "train_DP_autocast", "train_DP_GradScaler",
-                 "train_DDP", "train_DDP_autocast", "train_DDP_GradScaler"]
+                 "train_DDP", "train_DDP_autocast", "train_DDP_GradScaler",
+                 "train_FSDP", "train_FSDP_autocast", "train_FSDP_GradScaler", "train_FSDP_mixed"]
 
 # Per variant: epochs, batch size, data set, processes, TensorBoard.
 PLAN: Dict[str, dict] = {
@@ -44,6 +45,11 @@ PLAN: Dict[str, dict] = {
     "train_DDP": dict(batch_size=24, nproc=2),            # 24 images per rank
     "train_DDP_autocast": dict(batch_size=24, nproc=2),
     "train_DDP_GradScaler": dict(batch_size=12, nproc=2, tensorboard=True),  # 2 steps per rank
+    # FSDP2 on a ResNet-18 (sharded per residual block), faster than AlexNet on the CPU.
+    "train_FSDP": dict(batch_size=24, nproc=2, arch="resnet18"),
+    "train_FSDP_autocast": dict(batch_size=24, nproc=2, arch="resnet18"),
+    "train_FSDP_GradScaler": dict(batch_size=24, nproc=2, arch="resnet18"),
+    "train_FSDP_mixed": dict(batch_size=24, nproc=2),  # AlexNet: no BatchNorm
 }
 TB_VARIANT = "train_DDP_GradScaler"
 
@@ -63,6 +69,7 @@ class TrainRun:
     epochs: int
     dataset: str
     nproc: Optional[int]
+    arch: str = "alexnet"
 
     @property
     def n_train(self) -> int:
@@ -101,12 +108,14 @@ class Runs:
             plan = dict(PLAN[variant])
             nproc = plan.pop("nproc", None)
             dataset = plan.pop("dataset", "ImageFolder")
+            arch = plan.pop("arch", "alexnet")
             data_root = self.cifar_root if dataset == "CIFAR10" else self.imagefolder_root
             epochs = plan.setdefault("epochs", 1)
             args = tiny_args(self.root, data_root, dataset=dataset, lr=1e-4, **plan)
-            result = run_script(variant, *args, torchrun_nproc=nproc)
+            result = run_script(variant, *args, "--arch", arch, torchrun_nproc=nproc)
             self._train[variant] = TrainRun(variant, result, self.root / "checkpoint" / variant,
-                                            self.root / "tensorboard", epochs, dataset, nproc)
+                                            self.root / "tensorboard", epochs, dataset, nproc,
+                                            arch)
         return self._train[variant]
 
     def eval(self, script: str, checkpoint: Path, *args: str,
@@ -125,10 +134,10 @@ def runs(tmp_path_factory, imagefolder_root, cifar_root):
     shutil.rmtree(root, ignore_errors=True)  # each run leaves ~1.4 GB of checkpoints
 
 
-def _alexnet_keys(num_classes: int) -> set:
-    from alexnet import AlexNet
+def _model_keys(arch: str, num_classes: int) -> set:
+    from ampkit.models import build_model
     with torch.device("meta"):
-        return set(AlexNet(num_classes=num_classes).state_dict().keys())
+        return set(build_model(arch, num_classes).state_dict().keys())
 
 
 def _load(path: Path) -> dict:
@@ -154,7 +163,8 @@ def test_train_script_runs_end_to_end(variant, runs):
     if run.nproc:
         assert f"x{run.nproc} processes" in h["rest"], out
     precision = ("grad_scaler" if variant.endswith("GradScaler") else
-                 "autocast" if variant.endswith("autocast") else "fp32")
+                 "autocast" if variant.endswith("autocast") else
+                 "mixed" if variant.endswith("mixed") else "fp32")
     assert f"precision {precision}" in h["rest"], out
     if precision != "fp32":
         assert "(bfloat16)" in h["rest"], "CPU autocast must default to bfloat16"
@@ -180,13 +190,14 @@ def test_train_script_runs_end_to_end(variant, runs):
 @pytest.mark.parametrize("variant", TRAIN_SCRIPTS)
 def test_checkpoint_is_prefix_free_and_complete(variant, runs):
     run = runs.train(variant).ok()
-    keys = _alexnet_keys(run.n_classes)
+    keys = _model_keys(run.arch, run.n_classes)
     for name in ("last.pth", "best.pth"):
         ckpt = _load(run.run_dir / name)
         assert set(ckpt["model"]) == keys, f"{name}: {sorted(ckpt['model'])[:3]}"
         assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
-        assert all(v.dtype == torch.float32 for v in ckpt["model"].values())
-        assert ckpt["variant"] == variant
+        assert all(v.dtype == torch.float32 for v in ckpt["model"].values()
+                   if v.is_floating_point())
+        assert ckpt["variant"] == variant and ckpt["arch"] == run.arch
         assert ckpt["args"]["dataset"] == run.dataset
     last = _load(run.run_dir / "last.pth")
     # last.pth is the full training state; best.pth holds weights and metadata only.

@@ -15,8 +15,7 @@ def _bare_keys():
 
 def _dp(dp_scope: str) -> nn.Module:
     model = alexnet(num_classes=3)
-    parts = Parts(torch.device("cpu"), model, nn.CrossEntropyLoss(),
-                  torch.optim.SGD(model.parameters(), lr=0.0), dp_scope=dp_scope)
+    parts = Parts(torch.device("cpu"), model, nn.CrossEntropyLoss(), dp_scope=dp_scope)
     return train_DP.build(parts).model
 
 

@@ -59,9 +59,33 @@ def strip_prefixes(state_dict: Dict[str, Any]) -> Dict[str, Any]:
             for key, value in state_dict.items()}
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """FSDP2 (``fully_shard``): the parameters are DTensors, each process holding a shard."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def _full_state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
 def model_state(model: nn.Module) -> Dict[str, Any]:
-    """The model's weights without any wrapper prefix: loadable by every variant."""
+    """The model's weights without any wrapper prefix: loadable by every variant. Sharded by
+    FSDP2, the full weights are gathered -- a collective every rank takes part in -- into
+    rank 0's CPU memory (the other ranks get an empty dict)."""
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        return strip_prefixes(get_model_state_dict(model, options=_full_state_options()))
     return strip_prefixes(unwrap(model).state_dict())
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> Dict[str, Any]:
+    """``optimizer.state_dict()``; for an FSDP2 model the full state, gathered like the weights
+    (keyed by parameter name), which :func:`load_optimizer_state` shards again."""
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        return get_optimizer_state_dict(model, optimizer, options=_full_state_options())
+    return optimizer.state_dict()
 
 
 def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
@@ -298,36 +322,49 @@ def _load_failure(e: Exception) -> str:
 
 
 def checkpoint_num_classes(ckpt: Dict[str, Any]) -> Optional[int]:
-    w = ckpt["model"].get("classifier.6.weight")
-    return int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+    """The number of outputs of the network's last layer (the last 2-D weight), if any."""
+    heads = [v for k, v in ckpt["model"].items()
+             if k.endswith("weight") and isinstance(v, torch.Tensor) and v.dim() == 2]
+    return int(heads[-1].shape[0]) if heads else None
 
 
 def load_weights(model: nn.Module, ckpt: Dict[str, Any], path: Path) -> None:
     """Load ``ckpt['model']`` into the bare model, with one-line errors on mismatch."""
     bare = unwrap(model)
-    n_ckpt, n_model = checkpoint_num_classes(ckpt), getattr(bare, "num_classes", None)
+    n_ckpt = checkpoint_num_classes(ckpt)
+    n_model = checkpoint_num_classes({"model": bare.state_dict()})
     if n_ckpt is not None and n_model is not None and n_ckpt != n_model:
         raise UserError(f"{path}: checkpoint is for {n_ckpt} classes, but the data set "
                         f"has {n_model}")
     try:
         bare.load_state_dict(ckpt["model"])
     except RuntimeError as e:
-        raise UserError(f"{path}: weights do not fit this AlexNet ({_first_line(e)})") from None
+        arch = ckpt.get("arch") or "alexnet"
+        raise UserError(f"{path}: weights do not fit this network ({arch} in the checkpoint; "
+                        f"{_first_line(e)})") from None
 
 
 # How an optimizer was built to run, not what it learned: kept when a state is loaded.
 _IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any],
+                         model: Optional[nn.Module] = None) -> None:
     """``optimizer.load_state_dict(state)``, keeping the implementation this optimizer was
-    built with. ``load_state_dict`` also restores each param group's saved ``fused`` /
+    built with (``model``: an FSDP2 model, whose full ``state`` is sharded again).
+    ``load_state_dict`` also restores each param group's saved ``fused`` /
     ``foreach`` flags: a checkpoint written by a non-fused optimizer (another device, an
     older run) would silently turn a fused AdamW back into the foreach one. With a
     GradScaler that breaks outright: the scaler decided at construction that the
     optimizer handles inf/NaN itself (fused), and the foreach path then asserts."""
     built = [{k: g[k] for k in _IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
+    if model is not None and is_sharded(model):  # a full state, sharded again on every rank
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_optimizer_state_dict)
+        set_optimizer_state_dict(model, optimizer, state,
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
     for group, flags in zip(optimizer.param_groups, built):
         group.update(flags)
 

@@ -21,7 +21,6 @@ TENSORBOARD_DIR = REPO_ROOT / "tensorboard"
 DATASETS = ("CIFAR10", "ImageFolder", "FakeData")
 AMP_DTYPES = ("float16", "bfloat16")
 LOADERS = ("auto", "fast", "classic")
-MIN_IMG_SIZE = 63  # AlexNet's feature extractor needs at least 63x63 input
 
 
 class Parser(argparse.ArgumentParser):
@@ -43,7 +42,11 @@ def _add_common(p: argparse.ArgumentParser, *, ddp: bool, for_eval: bool) -> Non
     p.add_argument("--dataset_root", type=Path, default=None if for_eval else DATA_DIR,
                    help="data set folder" + from_ckpt)
     p.add_argument("--img_size", type=int, default=None if for_eval else 227,
-                   help=f"images are resized to img_size x img_size (at least {MIN_IMG_SIZE})"
+                   help="images are resized to img_size x img_size (at least 63 for AlexNet; "
+                        "what --arch takes)" + from_ckpt)
+    p.add_argument("--arch", default=None if for_eval else "alexnet",
+                   help="the network: alexnet (AMP/alexnet.py) or any torchvision classifier by "
+                        "its builder name (resnet50, vit_b_16, ...; --arch list prints them)"
                         + from_ckpt)
     p.add_argument("--batch_size", type=int, default=64,
                    help="batch size " + ("PER PROCESS (the global batch is batch_size x world size)"
@@ -147,11 +150,23 @@ def _check_common(args: argparse.Namespace) -> None:
 
     if args.batch_size is not None and args.batch_size <= 0:
         raise UserError(f"--batch_size must be a positive integer, got {args.batch_size}")
-    if args.img_size is not None and args.img_size < MIN_IMG_SIZE:
-        raise UserError(f"--img_size must be at least {MIN_IMG_SIZE} for AlexNet, "
-                        f"got {args.img_size}")
     if args.num_workers is not None and args.num_workers < 0:
         raise UserError(f"--num_workers must be >= 0, got {args.num_workers}")
+    check_arch_flags(args.arch, args.img_size)
+
+
+def check_arch_flags(arch: Optional[str], img_size: Optional[int]) -> None:
+    """``--arch list`` prints the names and exits; an unknown name, or an image size the
+    network cannot take, is one line (None: not given, decided later)."""
+    from .models import arch_names, check_arch, check_input_size
+
+    if arch == "list":
+        print("\n".join(arch_names()))
+        sys.exit(0)
+    if arch is not None:
+        check_arch(arch)
+        if img_size is not None:
+            check_input_size(arch, img_size)
 
 
 def parse_train_args(variant: str, ddp: bool,

@@ -29,35 +29,50 @@ Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images, targets)
 class Parts:
     """What a script's ``build()`` starts from: the objects that do not depend on the variant."""
     device: torch.device
-    model: nn.Module             # the bare AlexNet, on ``device`` (resumed weights loaded)
+    model: nn.Module             # the bare network, on ``device`` (resumed weights loaded)
     criterion: nn.Module
-    optimizer: torch.optim.Optimizer
     amp_dtype_flag: Optional[str] = None  # --amp_dtype
     dp_scope: str = "model"               # --dp_scope (DataParallel scripts)
+    lr: float = 1e-4
+    arch: str = "alexnet"                 # --arch: the network's name, for messages
 
     @cached_property
     def amp_dtype(self) -> torch.dtype:
         """The autocast dtype: --amp_dtype, else float16 on CUDA and bfloat16 on the CPU."""
         return resolve_amp_dtype(self.amp_dtype_flag, self.device)
 
+    @cached_property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the model's parameters, made when first asked for: an FSDP2 script asks
+        after sharding, so that it holds this process's shards. fused: one kernel for all
+        parameters (on the CPU too: several times faster than the default there); with a
+        GradScaler it also takes the inf/NaN flag on the device, so scaler.step() does not
+        sync the host (it does otherwise)."""
+        return torch.optim.AdamW(self.model.parameters(), lr=self.lr, fused=True)
+
 
 @dataclass
 class Variant:
     """What a script's ``build()`` returns: its model and step, and the precision objects
     that checkpoints, validation and the logs need to know about."""
-    model: nn.Module                           # as wrapped by the script (DP, DDP) or bare
+    model: nn.Module                           # as wrapped by the script (DP, DDP, FSDP2)
     step: Step                                 # one optimizer step on (images, targets) -> loss
     autocast: Optional[torch.autocast] = None  # validation runs under it too
     scaler: Optional[torch.amp.GradScaler] = None
+    param_dtype: Optional[torch.dtype] = None  # FSDP2's MixedPrecisionPolicy: the compute dtype
 
     @property
     def precision(self) -> str:
+        if self.param_dtype is not None:
+            return "mixed"
         if self.scaler is not None:
             return "grad_scaler"
         return "autocast" if self.autocast is not None else "fp32"
 
     @property
     def amp_dtype(self) -> Optional[torch.dtype]:
+        if self.param_dtype is not None:
+            return self.param_dtype
         return self.autocast.fast_dtype if self.autocast is not None else None
 
 

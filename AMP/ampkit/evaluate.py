@@ -18,14 +18,13 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from alexnet import alexnet
-
 from . import checkpoint as ckpt_io
-from .config import DATA_DIR, parse_eval_args
+from .config import DATA_DIR, check_arch_flags, parse_eval_args
 from .data import build_loaders, take_skipped
 from .distributed import cleanup, setup
 from .engine import count_correct
 from .errors import UserError
+from .models import DEFAULT_ARCH, autocast_in_replicas, build_model
 from .precision import resolve_amp_dtype
 
 
@@ -51,6 +50,11 @@ class Evaluation:
         self.dataset = args.dataset or trained.get("dataset") or "CIFAR10"
         root = Path(args.dataset_root or trained.get("dataset_root") or DATA_DIR)
         self.img_size = args.img_size or trained.get("img_size") or 227
+        self.arch = state.get("arch") or DEFAULT_ARCH
+        if args.arch not in (None, self.arch):
+            raise UserError(f"--arch {args.arch}: {self.path} holds a {self.arch} (leave --arch "
+                            "out: the eval scripts rebuild the checkpoint's network)")
+        check_arch_flags(self.arch, self.img_size)
         self._say_what_it_was_trained_on(trained, root)
         data = build_loaders(self.dataset, root, self.img_size, args.batch_size, self.info,
                              loader=args.loader, num_workers=args.num_workers,
@@ -59,11 +63,13 @@ class Evaluation:
         self.data = data
         self.loader, self.test_size = data.val, data.val_size
         self.amp_dtype = resolve_amp_dtype(args.amp_dtype, device) if args.autocast else None
-        # With --autocast, AlexNet's forward re-enters autocast with this dtype itself (for
-        # DataParallel's replica threads, which do not inherit the caller's dtype).
-        model = alexnet(num_classes=data.num_classes, amp_dtype=self.amp_dtype)
+        model = build_model(self.arch, data.num_classes)
         ckpt_io.load_weights(model, state, self.path)
         del state
+        if self.amp_dtype is not None:
+            # The forward re-enters autocast with this dtype itself, for DataParallel's replica
+            # threads, which do not inherit the caller's dtype.
+            model = autocast_in_replicas(model, self.amp_dtype)
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
         self.model = model.to(device, memory_format=self.input_format)
         self.autocast = (torch.autocast(device.type, dtype=self.amp_dtype) if self.amp_dtype
@@ -77,7 +83,8 @@ class Evaluation:
             print(f"checkpoint: {self.path}", flush=True)
             return
         then = (trained.get("dataset"), trained.get("dataset_root"), trained.get("img_size"))
-        print(f"checkpoint: {self.path} (trained on {then[0]} in {then[1]} at {then[2]}px)",
+        print(f"checkpoint: {self.path} ({self.arch}, trained on {then[0]} in {then[1]} at "
+              f"{then[2]}px)",
               flush=True)
         same_root = then[1] is not None and Path(then[1]).resolve() == root.resolve()
         if then[0] != self.dataset or then[2] != self.img_size or \

@@ -49,12 +49,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from alexnet import alexnet
-
 from .distributed import DistInfo, cleanup, setup, synchronize
 from .engine import Parts, train_one_epoch
+from .models import build_model
 from .precision import SkippedSteps
-from .variants import TRAIN_VARIANTS
+from .variants import DISTRIBUTED, TRAIN_VARIANTS
 
 KINDS = ("article", "classic", "fast")
 CIFAR_FOLDER = "cifar-10-batches-py"
@@ -97,6 +96,7 @@ class StepResult:
     parallel: str
     precision: str
     amp_dtype: str
+    arch: str
     device: str
     devices: int
     batch_size: int          # per step (per process for DDP)
@@ -158,9 +158,9 @@ def _result(variant: str, device: torch.device, ddp: Optional[DDPGroup], **kw) -
     """(DistInfo, an empty StepResult) for ``variant`` on ``device``."""
     parallel, precision = TRAIN_VARIANTS[variant]
     cuda = device.type == "cuda"
-    if parallel == "ddp":
+    if parallel in DISTRIBUTED:
         info = (ddp or DDPGroup(cuda)).get()
-        devices, note = info.world_size, f"DDP as a {info.world_size}-process group"
+        devices, note = info.world_size, f"{parallel.upper()} as a {info.world_size}-process group"
     else:
         info = DistInfo(device=device)
         devices = torch.cuda.device_count() if parallel == "dp" and cuda else 1
@@ -172,7 +172,7 @@ def _result(variant: str, device: torch.device, ddp: Optional[DDPGroup], **kw) -
     if parallel != "dp":
         kw["dp_scope"] = ""
     res = StepResult(variant=variant, parallel=parallel, precision=precision, amp_dtype="",
-                     device=device.type, devices=devices, note=note,
+                     arch=kw.pop("arch"), device=device.type, devices=devices, note=note,
                      timer="cuda events" if cuda else "perf_counter",
                      peak_mem_kind="cuda max_memory_allocated" if cuda else "max RSS (process)",
                      **kw)
@@ -181,7 +181,7 @@ def _result(variant: str, device: torch.device, ddp: Optional[DDPGroup], **kw) -
 
 def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_size: int,
                     warmup: int, steps: int, amp_dtype: Optional[str] = None,
-                    num_classes: int = 10, lr: float = 1e-4,
+                    num_classes: int = 10, lr: float = 1e-4, arch: str = "alexnet",
                     peak_tflops: Optional[float] = None,
                     peak_tflops_fp32: Optional[float] = None, fp32_math: str = "",
                     ddp: Optional[DDPGroup] = None, channels_last: bool = False,
@@ -189,14 +189,14 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     """Time ``steps`` training steps of ``variant``'s own ``build()`` after ``warmup`` uncounted
     ones. ``channels_last``, ``compile`` and ``dp_scope`` are the training flags of those names;
     ``fp32_math`` labels the fp32 variants on CUDA (what ``precision.set_tf32`` returned)."""
-    info, res = _result(variant, device, ddp, batch_size=batch_size, img_size=img_size,
-                        warmup=warmup, steps=steps, channels_last=channels_last,
-                        compiled=compile, dp_scope=dp_scope)
+    info, res = _result(variant, device, ddp, arch=arch, batch_size=batch_size,
+                        img_size=img_size, warmup=warmup, steps=steps,
+                        channels_last=channels_last, compiled=compile, dp_scope=dp_scope)
     if res.precision == "fp32" and device.type == "cuda":
         res.fp32_math = fp32_math
     torch.manual_seed(0)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    model = alexnet(num_classes=num_classes).to(device, memory_format=fmt)
+    model = build_model(arch, num_classes).to(device, memory_format=fmt)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     gen = torch.Generator().manual_seed(0)
@@ -205,9 +205,8 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
              torch.randint(0, num_classes, (batch_size,), generator=gen).to(device))
             for _ in range(min(4, max(steps, 1)))]
     flops = count_step_flops(model, *pool[0])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # as in training
     v = importlib.import_module(variant).build(
-        Parts(device, model, nn.CrossEntropyLoss(), optimizer, amp_dtype, dp_scope))
+        Parts(device, model, nn.CrossEntropyLoss(), amp_dtype, dp_scope, lr=lr, arch=arch))
     res.amp_dtype = str(v.amp_dtype)[6:] if v.amp_dtype is not None else ""
     if res.compiled:
         v.model.compile()  # compiled during the warm-up steps

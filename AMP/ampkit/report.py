@@ -40,6 +40,7 @@ class VariantResult:
     images_per_s: Optional[float] = None    # steady state, all devices together
     peak_mem_mb: Optional[float] = None
     peak_mem_source: str = ""      # "log" (peak_mem_mb in log.jsonl) or "rss" (measured here)
+    peak_mem_per_rank: str = ""    # under torchrun: each rank's, "2133 / 1901" (log only)
     best_val_acc: Optional[float] = None
     test_acc: Optional[float] = None
     test_correct: Optional[int] = None
@@ -140,7 +141,17 @@ def summarise_log(rows: Sequence[Dict]) -> Dict[str, Optional[float]]:
             "train_time_s": sum(train) if train else None,
             "images_per_s": steady_images_per_s(_numbers(rows, "images_per_s")),
             "best_val_acc": max(acc) if acc else None,
-            "peak_mem_mb": max(mem) if mem else None}
+            "peak_mem_mb": max(mem) if mem else None,
+            "peak_mem_per_rank": _per_rank(rows)}
+
+
+def _per_rank(rows: Sequence[Dict]) -> str:
+    """Each rank's largest ``peak_mem_mb_per_rank`` over the epochs, as "a / b"; "" for one."""
+    lists = [r["peak_mem_mb_per_rank"] for r in rows
+             if isinstance(r.get("peak_mem_mb_per_rank"), list) and r["peak_mem_mb_per_rank"]]
+    if not lists or len(lists[0]) < 2:
+        return ""
+    return " / ".join(f"{max(col):.0f}" for col in zip(*lists))
 
 
 # --------------------------------------------------------------------------- eval output
@@ -186,14 +197,15 @@ def _acc(v: Optional[float]) -> str:
 
 MD_HEADER = ["variant", "parallel", "precision", "amp dtype", "devices", "epochs",
              "total wall time", "training time (no val)", "images/s (steady)",
-             "peak memory (MB)", "best val acc", "test acc", "status"]
+             "peak memory (MB, per rank)", "best val acc", "test acc", "status"]
 
 
 def markdown_rows(results: Sequence[VariantResult]) -> List[List[str]]:
     rows = []
     for r in results:
         mem = "-" if r.peak_mem_mb is None else (
-            f"{r.peak_mem_mb:.0f}" + (" (RSS)" if r.peak_mem_source == "rss" else ""))
+            (r.peak_mem_per_rank or f"{r.peak_mem_mb:.0f}")
+            + (" (RSS)" if r.peak_mem_source == "rss" else ""))
         status = r.status if r.status != FAILED else f"failed: {r.reason}"
         test = _acc(r.test_acc)
         if r.test_correct is not None:

@@ -23,8 +23,6 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from alexnet import alexnet
-
 from . import checkpoint as ckpt_io
 from .config import args_to_plain, parse_interval, parse_train_args
 from .data import build_loaders, take_skipped
@@ -33,6 +31,7 @@ from .engine import EpochStats, Parts, StopFlag, Variant, count_correct, train_o
 from .errors import UserError
 from .log import RunLogger, format_duration
 from .measure import peak_memory_mb
+from .models import build_model
 from .precision import SkippedSteps, cpu_has_fast_bf16, set_tf32
 
 # What only resuming needs: last.pth has it, best.pth (weights and metadata) does not.
@@ -107,18 +106,16 @@ class Trainer:
                                   seed=args.seed, channels_last=args.channels_last,
                                   skip_bad=args.skip_bad_images)
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
-        model = alexnet(pretrained=args.pretrained, num_classes=self.data.num_classes)
+        model = build_model(args.arch, self.data.num_classes, pretrained=args.pretrained)
+        if args.dp_scope == "features" and not isinstance(getattr(model, "features", None),
+                                                          nn.Module):
+            raise UserError(f"--dp_scope features: --arch {args.arch} has no .features block "
+                            "(alexnet, vgg, densenet ... have one)")
         model = model.to(device, memory_format=self.input_format)
-        # fused: one kernel for all parameters (on the CPU too: several times faster than the
-        # default there); with a GradScaler it also takes the inf/NaN flag on the device, so
-        # scaler.step() does not sync the host (it does otherwise).
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
-        self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max",
-                                                                    patience=3)
-        self.parts = Parts(device, model, nn.CrossEntropyLoss(), optimizer, args.amp_dtype,
-                           args.dp_scope)
+        self.parts = Parts(device, model, nn.CrossEntropyLoss(), args.amp_dtype, args.dp_scope,
+                           lr=args.lr, arch=args.arch)
         self.epoch, self.step, self.best_acc, self.best_epoch = 0, 0, -1.0, -1
-        self.scaler_state = None
+        self.resumed: dict = {}  # optimizer, scheduler, scaler: loaded once build() made them
         if self.resume_path is not None:
             self._load_resume_state()
         elif args.init_from is not None:
@@ -146,8 +143,9 @@ class Trainer:
             self.lock.release()
 
     def _load_resume_state(self) -> None:
-        """Load a checkpoint's model, optimizer, schedule, counters and RNG; the GradScaler's
-        state is kept for fit(), which loads it once the script has built its scaler."""
+        """Load a checkpoint's weights (into the bare model), counters and RNG; the states of
+        the optimizer, LR schedule and GradScaler wait for fit(), as the script's build()
+        makes the optimizer (after FSDP2's sharding) and the scaler."""
         path, parts = self.resume_path, self.parts
         state = ckpt_io.load(path, map_location="cpu")
         if "optimizer" not in state:
@@ -159,12 +157,10 @@ class Trainer:
                             f"with the same settings, or start a new run from its weights with "
                             f"--init_from {path}")
         ckpt_io.load_weights(parts.model, state, path)
-        ckpt_io.load_optimizer_state(parts.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.resumed = {k: state.get(k) for k in ("optimizer", "scheduler", "scaler")}
         self.epoch, self.step = int(state["epoch"]), int(state.get("step", 0))
         self.best_acc = float(state.get("best_acc", -1.0))
         self.best_epoch = int(state.get("best_epoch", -1))
-        self.scaler_state = state.get("scaler")
         if self.info.is_main and "rng" in state:  # other ranks keep their seed + rank streams
             torch.set_rng_state(state["rng"]["torch"])
             if parts.device.type == "cuda" and state["rng"].get("cuda") is not None:
@@ -221,8 +217,15 @@ class Trainer:
                 cpu_has_fast_bf16() is False:
             self.logger.warn("this CPU has no native bfloat16 (AVX512-BF16/AMX): CPU autocast "
                              "will be several times slower than fp32 here")
-        if v.scaler is not None and self.scaler_state:
-            v.scaler.load_state_dict(self.scaler_state)
+        # Made by build() (FSDP2 scripts: after sharding), else here; then the resumed states.
+        self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(parts.optimizer, mode="max",
+                                                                    patience=3)
+        if self.resumed:
+            ckpt_io.load_optimizer_state(parts.optimizer, self.resumed["optimizer"], v.model)
+            self.scheduler.load_state_dict(self.resumed["scheduler"])
+            if v.scaler is not None and self.resumed["scaler"]:
+                v.scaler.load_state_dict(self.resumed["scaler"])
+            self.resumed = {}
         if args.compile:
             if isinstance(v.model, nn.DataParallel):
                 raise UserError("--compile is supported for single-device and DDP runs, "
@@ -289,12 +292,12 @@ class Trainer:
         save = self._save(v, epoch + 1, 0, val_acc=val_acc)
         skipped = self._skipped_images()
         scale = v.scaler.get_scale() if v.scaler is not None else None
-        # The largest of all ranks (a collective: every rank computes it) and, under
-        # DataParallel, of all the GPUs it uses.
+        # Every rank's (a collective: every rank takes part) and, under DataParallel, the
+        # largest of the GPUs it uses; FSDP2's saving shows per rank.
         device = self.parts.device
         dp = any(isinstance(m, nn.DataParallel) for m in v.model.modules())
-        peak_mem = info.all_reduce_max(torch.tensor(peak_memory_mb(device, all_gpus=dp),
-                                                    device=device)).item()
+        per_rank = info.gather([round(peak_memory_mb(device, all_gpus=dp), 1)])
+        peak_mem = max(per_rank)
         self.logger.print(
             f"epoch {epoch + 1}/{self.args.epochs}  train_loss {stats.loss:.4f}  "
             f"val_acc {val_acc:.4f} ({correct}/{total})  lr {self.lr:.2e}  "
@@ -304,7 +307,7 @@ class Trainer:
                "epoch_time": epoch_seconds, "train_time": stats.seconds,
                "data_time": stats.data_seconds, "images_per_s": stats.images_per_s,
                "skipped_steps": stats.skipped, "skipped_images": skipped,
-               "peak_mem_mb": peak_mem,
+               "peak_mem_mb": peak_mem, "peak_mem_mb_per_rank": per_rank,
                "peak_mem_kind": "cuda_allocated" if device.type == "cuda" else "max_rss"} | save
         self.logger.record(row | ({"grad_scale": scale} if scale is not None else {}))
         self.logger.scalars({"train/loss": stats.loss, "train/lr": self.lr,
@@ -336,14 +339,19 @@ class Trainer:
         is_best = val_acc is not None and self.best_epoch == epoch
         due = (now or epoch == self.args.epochs
                or (every_epochs and epoch % every_epochs == 0)
-               or (every_seconds and time.perf_counter() - self.last_save >= every_seconds))
-        if not self.info.is_main or not (is_best or due):
+               or (every_seconds and self._time_to_save(every_seconds)))
+        if not (is_best or due):
             return {}
         # The snapshot buffers are the ones the previous save is written from: wait for it.
         timing = {"save_wait_s": self.writer.wait(),  # 0: the previous save overlapped training
                   "save_write_s": self.writer.write_seconds}  # how long that write took
         t0 = time.perf_counter()
+        # Every rank: an FSDP2 model's full state is gathered from all ranks' shards.
         state = self._state(v, epoch, step, val_acc, resume=due)
+        if due:
+            self.last_save = time.perf_counter()
+        if not self.info.is_main:
+            return {}
         if is_best:
             self.pending_best = self.snapshots["best"].take(
                 {k: x for k, x in state.items() if k not in RESUME_ONLY})
@@ -352,23 +360,28 @@ class Trainer:
             self.pending_best = None
             self.writer.submit([(self.snapshots["last"].take(state),
                                  self.run_dir / ckpt_io.LAST)] + best)
-            self.last_save = time.perf_counter()
             if now:
                 self.writer.wait()
         timing["save_snapshot_s"] = time.perf_counter() - t0
         return timing
 
+    def _time_to_save(self, every_seconds: int) -> bool:
+        """Whether --save_every's time has come, on any rank's clock: all ranks agree."""
+        due = torch.tensor(int(time.perf_counter() - self.last_save >= every_seconds))
+        return bool(self.info.all_reduce_max(due.to(self.parts.device)).item())
+
     def _state(self, v: Variant, epoch: int, step: int, val_acc: Optional[float],
                resume: bool) -> dict:
         """The checkpoint's content (live tensors); ``resume``: with what only resuming needs."""
         device = self.parts.device
-        state = {"model": ckpt_io.model_state(v.model), "epoch": epoch, "step": step,
+        state = {"model": ckpt_io.model_state(v.model), "arch": self.args.arch,
+                 "epoch": epoch, "step": step,
                  "best_acc": self.best_acc, "best_epoch": self.best_epoch, "val_acc": val_acc,
                  "num_classes": self.data.num_classes, "variant": self.variant,
                  "world_size": self.info.world_size,
                  "args": args_to_plain(self.args), "torch_version": str(torch.__version__)}
         if resume:
-            state |= {"optimizer": self.parts.optimizer.state_dict(),
+            state |= {"optimizer": ckpt_io.optimizer_state(self.parts.optimizer, v.model),
                       "scheduler": self.scheduler.state_dict(),
                       "scaler": v.scaler.state_dict() if v.scaler is not None else None,
                       "rng": {"torch": torch.get_rng_state(),

@@ -1,9 +1,15 @@
-"""The nine training variants and three eval variants, by name."""
+"""The training variants and eval scripts, by name.
+
+The article's nine: {single device, DataParallel, DDP} x {fp32, autocast, autocast +
+GradScaler}. Beyond it, FSDP2 (``fully_shard``) as a fourth parallel mode, in the same
+three precisions and in FSDP2's own mixed precision (``train_FSDP_mixed``).
+"""
 from __future__ import annotations
 
-PARALLEL = ("single", "dp", "ddp")
-_PAR_NAME = {"single": "", "dp": "DP", "ddp": "DDP"}
-_PREC_NAME = {"fp32": "", "autocast": "autocast", "grad_scaler": "GradScaler"}
+PARALLEL = ("single", "dp", "ddp", "fsdp")
+DISTRIBUTED = ("ddp", "fsdp")  # one process per device, started by torchrun
+_PAR_NAME = {"single": "", "dp": "DP", "ddp": "DDP", "fsdp": "FSDP"}
+_PREC_NAME = {"fp32": "", "autocast": "autocast", "grad_scaler": "GradScaler", "mixed": "mixed"}
 
 
 def train_name(parallel: str, precision: str) -> str:
@@ -14,9 +20,13 @@ def train_name(parallel: str, precision: str) -> str:
 
 
 def eval_name(parallel: str) -> str:
-    return "eval_" + (_PAR_NAME[parallel] or "without")
+    """The eval script of a parallel mode; FSDP's checkpoints are evaluated like DDP's."""
+    return "eval_" + ({"fsdp": "DDP"}.get(parallel) or _PAR_NAME[parallel] or "without")
 
 
-TRAIN_VARIANTS = {train_name(par, prec): (par, prec)
-                  for par in PARALLEL for prec in _PREC_NAME}
-EVAL_VARIANTS = {eval_name(par): par for par in PARALLEL}
+ARTICLE_VARIANTS = {train_name(par, prec): (par, prec)
+                    for par in ("single", "dp", "ddp") for prec in ("fp32", "autocast", "grad_scaler")}
+TRAIN_VARIANTS = dict(ARTICLE_VARIANTS)
+TRAIN_VARIANTS.update({train_name("fsdp", prec): ("fsdp", prec)
+                       for prec in ("fp32", "autocast", "grad_scaler", "mixed")})
+EVAL_VARIANTS = {eval_name(par): par for par in ("single", "dp", "ddp")}

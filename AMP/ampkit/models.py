@@ -1,0 +1,162 @@
+"""Which network a run trains: ``--arch``, any torchvision classifier by its builder name.
+
+- ``alexnet`` (the default) is the project's AlexNet (``AMP/alexnet.py``), whose forward
+  re-enters autocast itself; any other name is torchvision's model, built by
+  ``torchvision.models.get_model``; ``--pretrained`` takes torchvision's default weights
+  and, for another number of classes, a new last layer.
+- ``check_input_size`` runs the model once on the meta device (no memory, no time), so an
+  image size the model cannot take is one line before anything is trained.
+- ``autocast_in_replicas``: a model whose forward re-enters autocast with the run's
+  dtype, for ``nn.DataParallel``, whose replica threads do not inherit it.
+- ``shard_units``: the blocks FSDP2 shards one by one.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from typing import List, Optional
+
+import torch
+import torchvision
+from torch import nn
+
+from alexnet import AlexNet, alexnet, autocast_forward
+
+from .errors import UserError
+
+DEFAULT_ARCH = "alexnet"
+MIN_ALEXNET_SIZE = 63  # AlexNet's feature extractor needs at least 63x63 input
+
+
+@functools.lru_cache(maxsize=1)
+def arch_names() -> List[str]:
+    """Every torchvision classification model's builder name."""
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def check_arch(arch: str) -> None:
+    if arch not in arch_names():
+        raise UserError(f"unknown --arch {arch!r}: --arch list prints the {len(arch_names())} "
+                        "torchvision classifiers it takes (resnet18, resnet50, vit_b_16, ...)")
+
+
+def _builder_kwargs(arch: str) -> dict:
+    """Keyword arguments that make any classifier a plain one: one output tensor in training
+    (no auxiliary logits) and no warning about a default that will change."""
+    params = inspect.signature(torchvision.models.get_model_builder(arch)).parameters
+    kwargs = {}
+    if "aux_logits" in params or arch in ("googlenet", "inception_v3"):
+        kwargs["aux_logits"] = False
+    if arch in ("googlenet", "inception_v3"):
+        kwargs["init_weights"] = True
+    return kwargs
+
+
+def build_model(arch: str, num_classes: int, pretrained: bool = False) -> nn.Module:
+    """``arch`` with ``num_classes`` outputs, on the CPU (ImageNet weights with ``pretrained``)."""
+    if arch == DEFAULT_ARCH:
+        return alexnet(pretrained=pretrained, num_classes=num_classes)
+    check_arch(arch)
+    kwargs = _builder_kwargs(arch)
+    if not pretrained:
+        return torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
+    weights = torchvision.models.get_model_weights(arch).DEFAULT  # downloaded via torch.hub
+    model = torchvision.models.get_model(arch, weights=weights, **kwargs)
+    if num_classes != len(weights.meta["categories"]):
+        _replace_head(model, num_classes)
+    return model
+
+
+def _replace_head(model: nn.Module, num_classes: int) -> None:
+    """A new, freshly initialised last layer with ``num_classes`` outputs."""
+    heads = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) or (isinstance(m, nn.Conv2d) and m.out_channels == 1000)]
+    if not heads:
+        raise UserError("--pretrained: found no last layer to resize for this data set")
+    name, old = heads[-1]
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    new = (nn.Linear(old.in_features, num_classes) if isinstance(old, nn.Linear)
+           else nn.Conv2d(old.in_channels, num_classes, old.kernel_size, old.stride))
+    setattr(parent, name.rpartition(".")[2], new)
+
+
+def check_input_size(arch: str, img_size: int) -> None:
+    """One line if ``arch`` cannot take ``img_size`` x ``img_size`` images (checked by a forward
+    pass on the meta device: shapes only, no memory, no arithmetic)."""
+    if arch == DEFAULT_ARCH:
+        if img_size < MIN_ALEXNET_SIZE:
+            raise UserError(f"--img_size must be at least {MIN_ALEXNET_SIZE} for AlexNet, "
+                            f"got {img_size}")
+        return
+    reason = _meta_forward_problem(arch, img_size)
+    if reason is not None and _meta_forward_problem(arch, 224) is None:
+        raise UserError(f"--img_size {img_size} does not suit --arch {arch}: {reason}")
+
+
+def _meta_forward_problem(arch: str, img_size: int) -> Optional[str]:
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = torchvision.models.get_model(arch, num_classes=10, **_builder_kwargs(arch))
+            model.eval()(torch.empty(2, 3, img_size, img_size))
+    except Exception as e:  # whatever the model raises on an input it cannot take
+        return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    return None
+
+
+class AutocastForward(nn.Module):
+    """``module`` whose forward runs under ``torch.autocast(input.device.type, amp_dtype)``.
+
+    What AlexNet does in its own forward (``AMP/alexnet.py``), for any model. Its state
+    dict keys carry a ``module.`` prefix, which checkpoints strip like DataParallel's.
+    """
+
+    def __init__(self, module: nn.Module, amp_dtype: Optional[torch.dtype]) -> None:
+        super().__init__()
+        self.module = module
+        self.amp_dtype = amp_dtype  # a plain attribute: DataParallel's replicas copy it
+
+    @autocast_forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def autocast_in_replicas(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A model whose forward re-enters autocast with ``dtype`` in whatever thread runs it:
+    AlexNet sets its own ``amp_dtype`` (its ``features`` block too, for --dp_scope
+    features); any other model is wrapped in :class:`AutocastForward`."""
+    if isinstance(model, AlexNet):
+        model.amp_dtype = dtype
+        return model
+    return AutocastForward(model, dtype)
+
+
+def check_param_dtype_fits(model: nn.Module, arch: str) -> None:
+    """FSDP2's MixedPrecisionPolicy casts every parameter to param_dtype, but not buffers:
+    a BatchNorm layer would hold bf16/fp16 weights beside float32 running statistics,
+    which its kernels refuse. Such a network is one line (autocast handles it)."""
+    norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+    if any(isinstance(m, norms) for m in model.modules()):
+        raise UserError(f"--arch {arch} has BatchNorm layers, whose float32 running statistics "
+                        "cannot run beside parameters cast to --amp_dtype: use "
+                        "train_FSDP_autocast.py for it")
+
+
+def shard_units(model: nn.Module) -> List[nn.Module]:
+    """The blocks FSDP2 shards one by one, before the root: the model's children that hold
+    parameters, and inside an ``nn.Sequential`` child its own such children -- AlexNet's
+    conv and linear layers, a ResNet's stem and residual blocks, a ViT's embedding,
+    encoder and head. Each block's parameters are gathered just before it runs and freed
+    after, so a process holds one whole block at a time, besides its own shards."""
+    def has_params(m: nn.Module) -> bool:
+        return any(True for _ in m.parameters())
+
+    units = []
+    for child in model.children():
+        inner = [c for c in child.children() if has_params(c)]
+        if isinstance(child, nn.Sequential) and len(inner) > 1:
+            units += inner
+        elif has_params(child):
+            units.append(child)
+    return units

@@ -1,0 +1,219 @@
+"""Beyond AlexNet and DDP: any torchvision classifier (--arch), and FSDP2 as a fourth
+parallel mode (its gradients, its checkpoints, its resume after a SIGKILL)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import IF_VAL_SIZE, REPO_ROOT, clean_output, parse_accuracy, run_script, tiny_args
+
+CPU = torch.device("cpu")
+
+
+def _main(script: str, argv: list, capsys) -> tuple:
+    import importlib
+
+    try:
+        importlib.import_module(script).main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, [ln for ln in clean_output(err).splitlines() if ln.strip()]
+
+
+# ------------------------------------------------------------------ --arch: bad input
+@pytest.mark.parametrize("flags,words", [
+    (["--arch", "resnet"], "--arch list"),
+    (["--arch", "vit_b_16"], "Wrong image height"),  # 64 px: ViT-B/16 takes 224 only
+    (["--arch", "resnet18", "--dp_scope", "features"], "has no .features block"),
+])
+def test_arch_mistakes_are_one_line(flags, words, imagefolder_root, tmp_path, capsys):
+    code, out, err = _main("train_DP", tiny_args(tmp_path, imagefolder_root) + flags, capsys)
+    assert code == 2 and len(err) == 1 and words in err[0], err
+    assert not list(tmp_path.rglob("*.pth"))
+
+
+def test_arch_list_prints_the_names(capsys):
+    code, out, err = _main("train_without", ["--arch", "list"], capsys)
+    names = out.split()
+    assert code == 0 and {"alexnet", "resnet18", "vit_b_16", "efficientnet_b0"} <= set(names)
+
+
+def test_pretrained_head_is_resized_for_the_data_set():
+    """--pretrained keeps the backbone and gives the last layer the data set's classes (the
+    weights themselves are downloaded by torchvision, never in tests)."""
+    import torchvision
+
+    from ampkit.models import _replace_head
+
+    for arch, head in (("resnet18", "fc"), ("mobilenet_v3_small", "classifier.3"),
+                       ("squeezenet1_1", "classifier.1")):
+        model = torchvision.models.get_model(arch)  # 1000 classes, as the weights are
+        _replace_head(model, 7)
+        layer = model.get_submodule(head)
+        assert (layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels) == 7
+        model.eval()
+        with torch.no_grad():
+            assert model(torch.randn(1, 3, 64, 64)).shape == (1, 7)
+
+
+# ------------------------------------------------------------------ --arch: end to end
+@pytest.mark.slow
+def test_resnet18_under_ddp_autocast_and_exact_eval(imagefolder_root, tmp_path):
+    args = tiny_args(tmp_path, imagefolder_root, batch_size=12) + ["--arch", "resnet18"]
+    res = run_script("train_DDP_autocast", *args, torchrun_nproc=2)
+    assert res.returncode == 0, res.describe()
+    assert "precision autocast (bfloat16)" in res.stdout
+    ckpt = tmp_path / "checkpoint" / "train_DDP_autocast" / "last.pth"
+    state = torch.load(ckpt, weights_only=True, mmap=True)
+    assert state["arch"] == "resnet18" and "fc.weight" in state["model"]
+    ev = run_script("eval_DDP", "--checkpoint", ckpt, "--no-cuda", torchrun_nproc=2)
+    assert ev.returncode == 0, ev.describe()
+    assert "(resnet18, trained on ImageFolder" in ev.stdout
+    ref = run_script("eval_without", "--checkpoint", ckpt, "--no-cuda")
+    assert parse_accuracy(ev.stdout) == parse_accuracy(ref.stdout)
+    assert parse_accuracy(ref.stdout)[1] == IF_VAL_SIZE
+
+
+def test_mobilenet_under_dp_gradscaler_and_eval(imagefolder_root, tmp_path, capsys):
+    args = tiny_args(tmp_path, imagefolder_root, batch_size=48) + ["--arch", "mobilenet_v3_small"]
+    code, out, err = _main("train_DP_GradScaler", args, capsys)
+    assert code == 0, err
+    ckpt = tmp_path / "checkpoint" / "train_DP_GradScaler" / "best.pth"
+    keys = torch.load(ckpt, weights_only=True, mmap=True)["model"]
+    assert "classifier.3.weight" in keys and not any(k.startswith("module.") for k in keys)
+    code, out, err = _main("eval_DP", ["--checkpoint", ckpt, "--no-cuda", "--autocast"], capsys)
+    assert code == 0 and "(mobilenet_v3_small, trained on" in out and "autocast bfloat16" in out
+    assert parse_accuracy(out)[1] == IF_VAL_SIZE
+    code, out, err = _main("eval_without", ["--checkpoint", ckpt, "--no-cuda", "--arch",
+                                            "resnet18"], capsys)
+    assert code == 2 and "holds a mobilenet_v3_small" in err[0], err
+
+
+def test_bf16_under_dataparallel_for_any_arch():
+    """DataParallel's replica threads re-enter autocast with the default dtype, not the run's.
+    A non-AlexNet model under train_DP_autocast's build() must still compute in the run's
+    dtype there: float16 on the CPU, where the default is bfloat16, shows the difference."""
+    import torchvision
+
+    import train_DP_autocast
+    from ampkit.engine import Parts
+
+    torch.manual_seed(0)
+    net = torchvision.models.get_model("resnet18", num_classes=3).eval()
+    v = train_DP_autocast.build(Parts(CPU, net, nn.CrossEntropyLoss(), amp_dtype_flag="float16"))
+    replica = v.model.module  # what DataParallel runs in each of its threads
+    seen = {}
+    net.layer1[0].conv1.register_forward_hook(lambda m, i, o: seen.__setitem__("conv", o.dtype))
+    images = torch.randn(2, 3, 64, 64)
+
+    def worker():  # what torch.nn.parallel.parallel_apply's _worker does
+        with torch.no_grad(), torch.amp.autocast("cpu", enabled=True):
+            seen["default"] = nn.Conv2d(3, 2, 3)(images).dtype
+            replica(images)
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    assert seen["default"] == torch.bfloat16  # control: the thread's own default dtype
+    assert seen["conv"] == torch.float16
+
+
+# ------------------------------------------------------------------ FSDP2
+@pytest.mark.slow
+def test_fsdp_gradients_match_a_single_process_reference():
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=2", "tests/helpers/fsdp_grad_check.py"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "largest relative gradient difference" in res.stdout
+
+
+@pytest.mark.slow
+def test_fsdp_resumes_after_sigkill(imagefolder_root, tmp_path):
+    flags = tiny_args(tmp_path, imagefolder_root, epochs=3, batch_size=8) + ["--arch", "resnet18"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO_ROOT / "AMP" / "train_FSDP_GradScaler.py"), *flags]
+    run_dir = tmp_path / "checkpoint" / "train_FSDP_GradScaler"
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "last.pth").exists():  # epoch 1 is saved: kill in epoch 2 or so
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # every process of the job, mid-save or mid-epoch
+        proc.communicate()
+    done = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"]
+    assert 1 <= done <= 3
+    res = run_script("train_FSDP_GradScaler", *flags, "--resume", torchrun_nproc=2)
+    assert res.returncode == 0, res.describe()
+    if done < 3:
+        assert f"resumed from {run_dir / 'last.pth'}: epoch {done + 1}" in res.stdout
+    final = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)
+    assert final["epoch"] == 3 and final["scaler"]["scale"] > 0
+    assert "layer1.0.conv1.weight" in final["optimizer"]["state"]  # the full, gathered state
+    rows = [json.loads(line)["epoch"] for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert rows == [1, 2, 3]
+
+
+@pytest.fixture
+def group_of_one():
+    """A one-process gloo group, so FSDP2 can shard a model in-process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("variant", ["train_FSDP_autocast", "train_FSDP_mixed"])
+def test_fsdp_precision_is_what_the_script_says(variant, group_of_one):
+    """autocast: per operator, under the script's autocast; MixedPrecisionPolicy: the block's
+    parameters are cast, no autocast needed, and the root's output is float32 again."""
+    import importlib
+
+    from alexnet import alexnet
+    from ampkit.engine import Parts
+
+    torch.manual_seed(0)
+    net = alexnet(num_classes=3).eval()
+    seen = {}
+    net.classifier[4].register_forward_hook(lambda m, i, o: seen.__setitem__("fc2", o.dtype))
+    v = importlib.import_module(variant).build(Parts(CPU, net, nn.CrossEntropyLoss(),
+                                                     amp_dtype_flag="bfloat16"))
+    assert v.amp_dtype is torch.bfloat16 and v.precision == variant.rsplit("_", 1)[1]
+    with torch.no_grad(), v.autocast or torch.autocast("cpu", enabled=False):
+        out = v.model(torch.randn(2, 3, 64, 64))
+    assert seen["fc2"] == torch.bfloat16
+    assert out.dtype == (torch.float32 if variant.endswith("mixed") else torch.bfloat16)
+    assert type(net.features[0].weight).__name__ == "DTensor"  # sharded
+    assert next(iter(v.model.parameters())).dtype == torch.float32  # the shards stay fp32
+
+
+def test_fsdp_mixed_refuses_batchnorm_networks():
+    import torchvision
+
+    import train_FSDP_mixed
+    from ampkit.engine import Parts
+    from ampkit.errors import UserError
+
+    net = torchvision.models.get_model("resnet18", num_classes=3)
+    with pytest.raises(UserError, match="BatchNorm.*train_FSDP_autocast"):
+        train_FSDP_mixed.build(Parts(CPU, net, nn.CrossEntropyLoss(), arch="resnet18"))
