@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -86,6 +87,10 @@ def build_parser() -> Parser:
                         "steadier figures on a shared machine")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each variant's timing, record 5 more steps with torch.profiler: "
+                        "a trace per variant in results/profile-<time>/ (open it in "
+                        "https://ui.perfetto.dev) and the top operators printed")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p
 
@@ -120,6 +125,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"--{flag} must be positive")
     if args.threads is not None and args.threads <= 0:
         p.error("--threads must be a positive integer")
+    args.profile_dir = DATA_DIR.parent / "results" / time.strftime("profile-%Y%m%d-%H%M%S")
     return args
 
 
@@ -143,7 +149,8 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
                     peak_tflops=args.peak_tflops,
                     peak_tflops_fp32=args.peak_tflops_fp32, fp32_math=fp32_math, ddp=ddp,
                     channels_last=args.channels_last, compile=args.compile,
-                    dp_scope=args.dp_scope)
+                    dp_scope=args.dp_scope,
+                    profile=args.profile_dir / f"trace_{variant}.json" if args.profile else None)
                 print(f"  {variant}: {r.step_ms:.1f} ms/step, {r.images_per_s:.1f} images/s",
                       flush=True)
             except (UserError, RuntimeError, ValueError) as e:

@@ -126,6 +126,10 @@ def train_parser(variant: str, ddp: bool) -> Parser:
                         "one GPU)")
     p.add_argument("--log_every", type=int, default=20,
                    help="steps between reads of the loss on the host (progress bar, checks)")
+    p.add_argument("--profile", action="store_true",
+                   help="record 3 steps of the first epoch (after 2 warm-up steps) with "
+                        "torch.profiler: a trace per rank in <checkpoint>/<variant>/profile/ "
+                        "(open it in https://ui.perfetto.dev) and the top operators printed")
     p.add_argument("--save_every", type=save_interval, default="1", metavar="N|Ns|Nm",
                    help="write last.pth every N epochs, or after the epoch that ends N seconds "
                         "(Ns) or minutes (Nm) after the previous save; in the background, while "

@@ -143,9 +143,11 @@ def _diverged(worst: int, step: int) -> TrainingDiverged:
 def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: str = "train",
                     start_step: int = 0, log_every: int = 20, max_nonfinite: Optional[int] = 5,
                     stop: Optional[StopFlag] = None, skipped: Optional[SkippedSteps] = None,
-                    input_format: torch.memory_format = torch.preserve_format) -> EpochStats:
+                    input_format: torch.memory_format = torch.preserve_format,
+                    profiler=None) -> EpochStats:
     """Run ``step_fn`` on every batch of ``loader``. ``max_nonfinite=None``: no divergence
-    check (a GradScaler skips the bad steps instead); ``skipped`` counts those skips."""
+    check (a GradScaler skips the bad steps instead); ``skipped`` counts those skips;
+    ``profiler`` (a ``measure.StepProfiler``) records some of the steps."""
     device = info.device
     tally, skipped = Tally(device), skipped or SkippedSteps(None, device)
     synchronize(device)
@@ -155,7 +157,8 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
     bar = tqdm(total=total, initial=start_step, desc=desc, disable=not info.is_main,
                leave=False, dynamic_ncols=True)
     batches = iter(loader)
-    with bar:  # closed before any error message, so it is not drawn over
+    # The bar is closed before any error message, so it is not drawn over.
+    with bar, profiler or contextlib.nullcontext():
         while True:
             t_wait = time.perf_counter()
             batch = next(batches, None)
@@ -169,18 +172,11 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
             tally.add(loss, targets.shape[0])
             step, steps_done = step + 1, steps_done + 1
             bar.update(1)
+            if profiler is not None:
+                profiler.step()
             local_stop = stop is not None and stop.requested
             if step % log_every == 0 or (local_stop and not info.distributed):
-                # A host sync point: every log_every steps, never every step. Under DDP all
-                # ranks reach it at the same step, so they agree on stopping together.
-                flags = torch.stack([tally.worst_run, torch.tensor(int(local_stop), device=device)])
-                worst, stop_all = info.all_reduce_max(flags).tolist()
-                if info.is_main:
-                    mean = tally.loss_sum / tally.finite_images.clamp(min=1)
-                    bar.set_postfix(loss=f"{mean.item():.4f}")
-                if max_nonfinite is not None and worst >= max_nonfinite:
-                    raise _diverged(worst, step)
-                if stop_all:
+                if _host_check(tally, bar, info, local_stop, max_nonfinite, step):
                     stopped_at = step
                     break
 
@@ -197,6 +193,22 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
                       images=int(images), seconds=seconds, steps=steps_done,
                       skipped=int(n_skipped), nonfinite=int(nonfinite), stopped_at=stopped_at,
                       data_seconds=data_seconds)
+
+
+def _host_check(tally: Tally, bar: tqdm, info: DistInfo, local_stop: bool,
+                max_nonfinite: Optional[int], step: int) -> bool:
+    """The host sync point, every log_every steps (never every step): the progress bar's
+    loss, the divergence check, and whether to stop. Under DDP all ranks reach it at the
+    same step, so they agree on stopping together. True: stop now."""
+    device = info.device
+    flags = torch.stack([tally.worst_run, torch.tensor(int(local_stop), device=device)])
+    worst, stop_all = info.all_reduce_max(flags).tolist()
+    if info.is_main:
+        mean = tally.loss_sum / tally.finite_images.clamp(min=1)
+        bar.set_postfix(loss=f"{mean.item():.4f}")
+    if max_nonfinite is not None and worst >= max_nonfinite:
+        raise _diverged(worst, step)
+    return bool(stop_all)
 
 
 @torch.no_grad()

@@ -20,6 +20,11 @@ what ``compare.py`` measures end to end).
   own: ``peak_tflops`` (fp16/bf16) for the autocast variants, ``peak_tflops_fp32`` for
   the fp32 ones, whose math on CUDA is labelled (``fp32_math``: TF32 or true fp32).
 
+Traces (``StepProfiler``, ``--profile`` of the train scripts and benchmark.py): a few
+training steps after warm-up recorded by ``torch.profiler``, written as a Chrome trace per
+rank (open it in https://ui.perfetto.dev or chrome://tracing), and the table of the
+operators that took the most time themselves.
+
 Input pipeline (``measure_input_pipeline``): images/s that an input path delivers to
 the device, one epoch after another, first ``warmup`` batches not timed:
 
@@ -87,6 +92,48 @@ def _host_peak_mb() -> float:
                 return int(line.split()[1]) / 1024.0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+# --------------------------------------------------------------------------- traces
+class StepProfiler:
+    """``torch.profiler`` over training steps: ``wait`` steps skipped, ``warmup`` recorded and
+    dropped (the profiler's own start-up), ``active`` recorded; then the Chrome trace is
+    written to ``path`` and ``table`` holds the top operators by self time."""
+
+    def __init__(self, path: Path, device: torch.device, wait: int = 1, warmup: int = 1,
+                 active: int = 3) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.path, self.cuda, self.needed, self.table = Path(path), device.type == "cuda", \
+            wait + warmup + active, ""
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.prof = profile(activities=activities, on_trace_ready=self._ready,
+                            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1))
+
+    def _ready(self, prof) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.path))
+        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        self.table = prof.key_averages().table(sort_by=sort, row_limit=12)
+
+    def __enter__(self) -> "StepProfiler":
+        self.prof.start()
+        return self
+
+    def step(self) -> None:
+        self.prof.step()
+
+    def __exit__(self, *exc) -> None:
+        self.prof.stop()
+
+    def report(self) -> str:
+        """What to print once the steps are over."""
+        if not self.table:
+            return (f"--profile: fewer than the {self.needed} steps it records "
+                    "(1 skipped, 1 warm-up, 3 traced): no trace written (more steps: a "
+                    "smaller --batch_size)")
+        return (f"{self.table}\ntrace: {self.path} (open it in https://ui.perfetto.dev or "
+                "chrome://tracing)")
 
 
 # --------------------------------------------------------------------------- model steps
@@ -185,10 +232,12 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
                     peak_tflops: Optional[float] = None,
                     peak_tflops_fp32: Optional[float] = None, fp32_math: str = "",
                     ddp: Optional[DDPGroup] = None, channels_last: bool = False,
-                    compile: bool = False, dp_scope: str = "model") -> StepResult:
+                    compile: bool = False, dp_scope: str = "model",
+                    profile: Optional[Path] = None) -> StepResult:
     """Time ``steps`` training steps of ``variant``'s own ``build()`` after ``warmup`` uncounted
     ones. ``channels_last``, ``compile`` and ``dp_scope`` are the training flags of those names;
-    ``fp32_math`` labels the fp32 variants on CUDA (what ``precision.set_tf32`` returned)."""
+    ``fp32_math`` labels the fp32 variants on CUDA (what ``precision.set_tf32`` returned);
+    ``profile``: after the timing, 5 more steps under :class:`StepProfiler`, traced there."""
     info, res = _result(variant, device, ddp, arch=arch, batch_size=batch_size,
                         img_size=img_size, warmup=warmup, steps=steps,
                         channels_last=channels_last, compiled=compile, dp_scope=dp_scope)
@@ -224,6 +273,12 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     res.images_per_s = stats.images / seconds  # all ranks together
     res.gflop_per_step = flops * info.world_size / 1e9
     res.achieved_tflops = res.gflop_per_step * steps / seconds / 1e3
+    if profile is not None:  # started and stopped by train_one_epoch
+        profiler = StepProfiler(profile, device)
+        train_one_epoch(v.step, [pool[i % len(pool)] for i in range(profiler.needed)], info,
+                        desc=f"{variant} profile", skipped=skipped, input_format=fmt,
+                        profiler=profiler)
+        print(profiler.report(), flush=True)
     peak = peak_tflops_fp32 if res.precision == "fp32" else peak_tflops
     if peak:
         res.utilisation = res.achieved_tflops / (peak * res.devices)

@@ -30,7 +30,7 @@ from .distributed import cleanup, setup
 from .engine import EpochStats, Parts, StopFlag, Variant, count_correct, train_one_epoch
 from .errors import UserError
 from .log import RunLogger, format_duration
-from .measure import peak_memory_mb
+from .measure import StepProfiler, peak_memory_mb
 from .models import build_model
 from .precision import SkippedSteps, cpu_has_fast_bf16, set_tf32
 
@@ -273,10 +273,18 @@ class Trainer:
         self.lr = self.parts.optimizer.param_groups[0]["lr"]
         self.t_epoch = time.perf_counter()
         v.model.train()
-        return train_one_epoch(v.step, loader, self.info, desc=f"epoch {epoch + 1}/{args.epochs}",
-                               start_step=step0, log_every=args.log_every,
-                               max_nonfinite=None if v.scaler else 5, stop=self.stop,
-                               skipped=self.skipped, input_format=self.input_format)
+        profiler = None
+        if args.profile and epoch == self.epoch:  # this run's first epoch
+            profiler = StepProfiler(self.run_dir / "profile" / f"trace_rank{self.info.rank}.json",
+                                    self.parts.device)
+        stats = train_one_epoch(v.step, loader, self.info, desc=f"epoch {epoch + 1}/{args.epochs}",
+                                start_step=step0, log_every=args.log_every,
+                                max_nonfinite=None if v.scaler else 5, stop=self.stop,
+                                skipped=self.skipped, input_format=self.input_format,
+                                profiler=profiler)
+        if profiler is not None:
+            self.logger.print(profiler.report())
+        return stats
 
     def _end_epoch(self, v: Variant, epoch: int, stats: EpochStats) -> None:
         """Validate, step the LR schedule, save, and log the epoch."""
