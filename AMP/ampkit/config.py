@@ -113,13 +113,13 @@ def train_parser(variant: str, ddp: bool) -> Parser:
     p.add_argument("--pretrained", action="store_true",
                    help="start from torchvision's ImageNet weights (downloaded via torch.hub)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (single device and DDP)")
+                   help="torch.compile the model (not under DataParallel)")
     # Default "model": the article's nn.DataParallel(model), so the comparison measures what
     # the article measured. "features" should be faster on 2+ GPUs: DataParallel copies the
     # replicated parameters to every GPU in every forward, 2.5M (9 MB) for the conv layers
-    # against 57M (217 MB) for the whole model. Not measured yet: no multi-GPU machine has
-    # been available (on one GPU DataParallel calls the module directly; both are the same).
-    # Measure with `python AMP/benchmark.py --variants train_DP_autocast --dp_scope ...`.
+    # against 57M (217 MB) for the whole model; it takes 2+ GPUs to see (on one GPU
+    # DataParallel calls the module directly, and both are the same). Measure it with
+    # `python AMP/benchmark.py --variants train_DP_autocast --dp_scope features`.
     p.add_argument("--dp_scope", choices=("model", "features"), default="model",
                    help="DataParallel wraps the whole model, or only model.features as in "
                         "pytorch/examples' ImageNet script (the big linear layers then run on "
