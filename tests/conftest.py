@@ -287,3 +287,27 @@ def tiny_args(tmp: Path, dataset_root: Path, *, dataset: str = "ImageFolder",
 def event_files(folder: Path) -> List[Path]:
     folder = Path(folder)
     return sorted(folder.rglob("events.out.tfevents*")) if folder.exists() else []
+
+
+def as_a_dataparallel_replica(replica, images, run_dtype):
+    """Call ``replica(images)`` as ``nn.DataParallel`` does (torch.nn.parallel.parallel_apply's
+    worker): in a thread of its own, which re-enters autocast with the caller's *enabled*
+    flag but its own default dtype, while the caller runs under ``run_dtype``. Returns
+    (the thread's default autocast dtype -- the control --, the replica's output)."""
+    import threading
+
+    import torch
+    from torch import nn
+
+    found = {}
+
+    def worker():
+        with torch.no_grad(), torch.amp.autocast("cpu", enabled=True):
+            found["default"] = nn.Conv2d(3, 2, 3)(images).dtype
+            found["out"] = replica(images)
+
+    with torch.autocast("cpu", dtype=run_dtype):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    return found["default"], found["out"]

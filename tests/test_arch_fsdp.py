@@ -8,14 +8,14 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import IF_VAL_SIZE, REPO_ROOT, clean_output, parse_accuracy, run_script, tiny_args
+from conftest import (IF_VAL_SIZE, REPO_ROOT, as_a_dataparallel_replica, clean_output,
+                      parse_accuracy, run_script, tiny_args)
 
 CPU = torch.device("cpu")
 
@@ -116,18 +116,8 @@ def test_bf16_under_dataparallel_for_any_arch():
     replica = v.model.module  # what DataParallel runs in each of its threads
     seen = {}
     net.layer1[0].conv1.register_forward_hook(lambda m, i, o: seen.__setitem__("conv", o.dtype))
-    images = torch.randn(2, 3, 64, 64)
-
-    def worker():  # what torch.nn.parallel.parallel_apply's _worker does
-        with torch.no_grad(), torch.amp.autocast("cpu", enabled=True):
-            seen["default"] = nn.Conv2d(3, 2, 3)(images).dtype
-            replica(images)
-
-    with torch.autocast("cpu", dtype=torch.float16):
-        t = threading.Thread(target=worker)
-        t.start()
-        t.join()
-    assert seen["default"] == torch.bfloat16  # control: the thread's own default dtype
+    default, _ = as_a_dataparallel_replica(replica, torch.randn(2, 3, 64, 64), torch.float16)
+    assert default == torch.bfloat16  # control: the thread's own default dtype
     assert seen["conv"] == torch.float16
 
 

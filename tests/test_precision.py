@@ -20,6 +20,7 @@ from torch import nn
 
 from alexnet import AlexNet, alexnet
 from ampkit.engine import Parts, Variant
+from conftest import as_a_dataparallel_replica
 from ampkit.precision import resolve_amp_dtype
 from ampkit.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
 
@@ -170,19 +171,9 @@ def test_dp_features_scope_replicas_keep_the_run_dtype(images):
     assert isinstance(model.features, nn.DataParallel)
     replica = model.features.module
     assert replica.amp_dtype is torch.float16
-    results = {}
-
-    def worker():  # what torch.nn.parallel.parallel_apply's _worker does
-        with torch.no_grad(), torch.amp.autocast("cpu", enabled=True):
-            results["default"] = nn.Conv2d(3, 2, 3)(images).dtype
-            results["features"] = replica(images).dtype
-
-    with torch.autocast("cpu", dtype=torch.float16):
-        t = threading.Thread(target=worker)
-        t.start()
-        t.join()
-    assert results["default"] == torch.bfloat16  # control: the thread's own default dtype
-    assert results["features"] == torch.float16
+    default, out = as_a_dataparallel_replica(replica, images, torch.float16)
+    assert default == torch.bfloat16  # control: the thread's own default dtype
+    assert out.dtype == torch.float16
     with torch.no_grad():
         assert model(images).dtype == torch.float16
         model.amp_dtype = None  # reaches the wrapped block too
