@@ -107,7 +107,8 @@ class StepProfiler:
         self.path, self.cuda, self.needed, self.table = Path(path), device.type == "cuda", \
             wait + warmup + active, ""
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.prof = profile(activities=activities, on_trace_ready=self._ready,
+        # One recording cycle: acc_events changes nothing but the warning torch 2.11 gives.
+        self.prof = profile(activities=activities, on_trace_ready=self._ready, acc_events=True,
                             schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1))
 
     def _ready(self, prof) -> None:
