@@ -1,15 +1,17 @@
 """The training driver every train script shares: ``Trainer(...).fit(build)``.
 
 A train script holds its technique in ``build(parts) -> Variant``: the wrapper
-(none, ``nn.DataParallel`` or ``DistributedDataParallel``), the precision objects
-(``torch.autocast``, ``torch.amp.GradScaler``) and the step that uses them. The rest
-is here, the same for every variant:
+(none, ``nn.DataParallel``, ``DistributedDataParallel`` or FSDP2's ``fully_shard``), the
+precision objects (``torch.autocast``, ``torch.amp.GradScaler``, FSDP2's
+``MixedPrecisionPolicy``) and the step that uses them. The rest is here, the same for
+every variant:
 
-- ``Trainer.__init__``: flags, device and process group, run folders, data, AlexNet,
-  AdamW, the LR schedule, and the state of a run being resumed;
-- ``Trainer.fit``: calls ``build``, then the epoch loop: ``train_one_epoch``
+- ``Trainer.__init__``: flags, device and process group, the run folder and its lock,
+  data, the network (``--arch``), and the weights and counters of a run being resumed;
+- ``Trainer.fit``: calls ``build``, makes the LR schedule and loads the resumed optimizer,
+  schedule and scaler states, then the epoch loop: ``train_one_epoch``
   (:mod:`ampkit.engine`) with the script's step, validation, the LR schedule,
-  checkpoints, logs, signals and the summary line.
+  checkpoints (in the background), logs, signals and the summary line.
 """
 from __future__ import annotations
 
