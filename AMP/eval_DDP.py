@@ -1,4 +1,4 @@
-"""Evaluate an AlexNet checkpoint in several processes, each counting its own shard, exactly.
+"""Evaluate a checkpoint in several processes, each counting its own shard, exactly.
 
     torchrun --nproc_per_node=2 AMP/eval_DDP.py  # newest last.pth in checkpoint/
     torchrun --nproc_per_node=2 AMP/eval_DDP.py --checkpoint checkpoint/train_DP_autocast/best.pth

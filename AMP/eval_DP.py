@@ -1,4 +1,4 @@
-"""Evaluate an AlexNet checkpoint with nn.DataParallel: each test batch split over all visible GPUs.
+"""Evaluate a checkpoint with nn.DataParallel: each test batch split over all visible GPUs.
 
     python AMP/eval_DP.py                        # newest last.pth in checkpoint/
     python AMP/eval_DP.py --checkpoint checkpoint/train_DDP/best.pth --autocast --batch_size 256

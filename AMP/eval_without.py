@@ -1,4 +1,4 @@
-"""Evaluate an AlexNet checkpoint on one device: top-1 accuracy on the test split.
+"""Evaluate a checkpoint on one device: top-1 accuracy on the test split.
 
     python AMP/eval_without.py                   # newest last.pth in checkpoint/
     python AMP/eval_without.py --checkpoint checkpoint/train_DP_autocast/best.pth --autocast

@@ -91,7 +91,7 @@ def parse_interval(text: str) -> tuple:
 
 
 def train_parser(variant: str, ddp: bool) -> Parser:
-    p = Parser(prog=f"{variant}.py", description=f"Train AlexNet ({variant}).",
+    p = Parser(prog=f"{variant}.py", description=f"Train AlexNet, or any --arch ({variant}).",
                formatter_class=_formatter)
     _add_common(p, ddp=ddp, for_eval=False)
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
@@ -139,7 +139,7 @@ def train_parser(variant: str, ddp: bool) -> Parser:
 
 
 def eval_parser(variant: str, ddp: bool) -> Parser:
-    p = Parser(prog=f"{variant}.py", description=f"Evaluate an AlexNet checkpoint ({variant}).",
+    p = Parser(prog=f"{variant}.py", description=f"Evaluate a checkpoint ({variant}).",
                formatter_class=_formatter)
     _add_common(p, ddp=ddp, for_eval=True)
     p.add_argument("--checkpoint", type=Path, default=CHECKPOINT_DIR,

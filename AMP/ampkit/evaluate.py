@@ -3,7 +3,7 @@
 ``Evaluation.__init__`` reads the flags, sets up the device (and, for eval_DDP, the
 process group from torchrun's environment), loads the checkpoint on the CPU, builds
 the test split -- by default the data set, root and image size the checkpoint was
-trained with -- and an AlexNet holding the checkpoint's weights, on the device.
+trained with -- and the checkpoint's network (``--arch``) with its weights, on the device.
 The script decides how the model runs (bare, ``nn.DataParallel``) and which test
 images this process counts (all of them, or its DDP shard); ``count_correct`` counts,
 ``report`` prints the one result line.
