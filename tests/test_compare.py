@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from conftest import IF_VAL_SIZE, event_files, parse_accuracy, run_script
+from conftest import IF_VAL_SIZE, event_files, run_script
 
 from ampkit import report, runner  # AMP/ is on sys.path (conftest)
 
@@ -305,7 +306,9 @@ def test_compare_test_accuracy_is_what_the_eval_script_prints(comparison, varian
     # row holds the one line that script printed, in its log.
     eval_log = (out / "logs" / f"{variant}.eval.log").read_text()
     assert f"checkpoint: {ckpt}" in eval_log
-    correct, total = parse_accuracy(eval_log)
+    # stdout and stderr (tqdm) share the log, and may share a line: search, not per line
+    (correct, total), = [tuple(map(int, m)) for m in
+                         re.findall(r"top-1 accuracy [^\n]*?: (\d+)/(\d+) = ", eval_log)]
     assert (int(row["test_correct"]), int(row["test_total"])) == (correct, total)
     assert float(row["test_acc"]) == pytest.approx(correct / total)
 

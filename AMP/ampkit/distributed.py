@@ -155,6 +155,11 @@ def _init_process_group(backend: str, rank: int, world_size: int,
                             rank=rank, world_size=world_size, timeout=timeout, **kw)
 
 
-def cleanup(info: DistInfo) -> None:
+def cleanup(info: DistInfo, finished: bool = False) -> None:
+    """Leave the process group. ``finished`` (every rank got to the end): first wait for all
+    ranks, so none tears its connections down while a peer still uses them. Not after a
+    failure, when a peer may be gone."""
     if info.distributed and dist.is_initialized():
+        if finished:
+            info.barrier()
         dist.destroy_process_group()

@@ -116,5 +116,5 @@ class Evaluation:
                   f"{', autocast ' + str(self.amp_dtype)[6:] if self.amp_dtype else ''}"
                   f"{f', {self.info.world_size} processes' if self.info.world_size > 1 else ''}"
                   f"): {correct}/{total} = {acc:.4f}", flush=True)
-        cleanup(self.info)
+        cleanup(self.info, finished=True)
         return acc

@@ -139,8 +139,8 @@ class Trainer:
                                / time.strftime("%Y%m%d-%H%M%S"))
         self.resume_path = _resume_path(args, self.run_dir)
 
-    def _release(self) -> None:
-        cleanup(self.info)
+    def _release(self, finished: bool = False) -> None:
+        cleanup(self.info, finished)
         if getattr(self, "lock", None) is not None:
             self.lock.release()
 
@@ -172,13 +172,14 @@ class Trainer:
     def fit(self, build: Callable[[Parts], Variant]) -> None:
         """Build the variant with the script's ``build``, then train it for ``--epochs``."""
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        code = None
         try:
             code = self._fit(build)
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             self.logger.close()
-            self._release()
+            self._release(finished=code is not None)
         if code:
             sys.exit(code)
 
