@@ -14,8 +14,8 @@ images/s, peak memory, FLOPs per step (torch.utils.flop_counter) and, with
 (the DDP machinery on one device; multi-process runs are what compare.py measures).
 
 Input pipeline: images/s delivered to the device at --img_size by the article's PIL
-path, the classic DataLoader path (ampkit.data) and the fast device path
-(ampkit.fastdata), on CIFAR-10 when --dataset_root holds it, else on generated images
+path, the classic DataLoader path (ampkit.machinery.data) and the fast device path
+(ampkit.machinery.fastdata), on CIFAR-10 when --dataset_root holds it, else on generated images
 in CIFAR-10's format. All the measuring code is in ampkit/measure.py.
 """
 from __future__ import annotations
@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ampkit.config import AMP_DTYPES, DATA_DIR, Parser, check_arch_flags
-from ampkit.errors import UserError
-from ampkit.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
+from ampkit.machinery.config import AMP_DTYPES, DATA_DIR, Parser, check_arch_flags
+from ampkit.machinery.errors import UserError
+from ampkit.machinery.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
 
 PIPELINES = {"all": ["article", "classic", "fast"], "both": ["classic", "fast"],
              "article": ["article"], "classic": ["classic"], "fast": ["fast"], "none": []}
@@ -135,7 +135,7 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
 
     import torch
 
-    from ampkit import measure
+    from ampkit.machinery import measure
 
     results = []
     ddp = measure.DDPGroup(device.type == "cuda")
@@ -174,8 +174,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from ampkit import measure
-    from ampkit.data import default_workers
+    from ampkit.machinery import measure
+    from ampkit.machinery.data import default_workers
     from ampkit.distributed import want_cuda
     from ampkit.precision import cpu_has_fast_bf16, set_tf32
 

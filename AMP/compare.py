@@ -43,12 +43,12 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ampkit import report, runner
-from ampkit.config import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
+from ampkit.machinery import report, runner
+from ampkit.machinery.config import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
                            check_arch_flags, train_parser)
-from ampkit.errors import UserError
-from ampkit.report import FAILED, INTERRUPTED, NOT_RUN, OK, VariantResult
-from ampkit.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS, eval_name
+from ampkit.machinery.errors import UserError
+from ampkit.machinery.report import FAILED, INTERRUPTED, NOT_RUN, OK, VariantResult
+from ampkit.machinery.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS, eval_name
 
 AMP_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = REPO_ROOT / "results"
@@ -370,7 +370,7 @@ def write_tensorboard(tb_dir: Path, curves: Dict[str, List[Tuple[int, float, flo
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    from ampkit.errors import UserError
+    from ampkit.machinery.errors import UserError
     try:
         comp = Comparison(args)
     except UserError as e:

@@ -14,7 +14,7 @@ are no gradients to synchronise, only the counts. `--help` lists the flags.
 """
 import torch.distributed as dist
 
-from ampkit.errors import report_user_errors
+from ampkit.machinery.errors import report_user_errors
 from ampkit.evaluate import Evaluation
 
 

@@ -10,7 +10,7 @@ as autocast state is thread-local. `--help` lists the flags.
 """
 from torch import nn
 
-from ampkit.errors import report_user_errors
+from ampkit.machinery.errors import report_user_errors
 from ampkit.evaluate import Evaluation
 
 

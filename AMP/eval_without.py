@@ -7,7 +7,7 @@ Every variant's checkpoint loads here (weights are saved without DataParallel's 
 `module.` prefix); the data set, its root and the image size default to the ones the
 checkpoint was trained with. `--help` lists the flags.
 """
-from ampkit.errors import report_user_errors
+from ampkit.machinery.errors import report_user_errors
 from ampkit.evaluate import Evaluation
 
 

@@ -23,7 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ampkit.engine import Parts, Variant
-from ampkit.errors import report_user_errors
+from ampkit.machinery.errors import report_user_errors
 from ampkit.train import Trainer
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ampkit.engine import Parts, Variant
-from ampkit.errors import report_user_errors
+from ampkit.machinery.errors import report_user_errors
 from ampkit.models import autocast_in_replicas
 from ampkit.train import Trainer
 

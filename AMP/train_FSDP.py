@@ -25,7 +25,7 @@ The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.trai
 from torch.distributed.fsdp import fully_shard
 
 from ampkit.engine import Parts, Variant
-from ampkit.errors import report_user_errors
+from ampkit.machinery.errors import report_user_errors
 from ampkit.models import shard_units
 from ampkit.train import Trainer
 

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ampkit.engine import Parts, Variant
-from ampkit.errors import report_user_errors
+from ampkit.machinery.errors import report_user_errors
 from ampkit.models import check_param_dtype_fits, shard_units
 from ampkit.train import Trainer
 

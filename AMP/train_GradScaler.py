@@ -19,7 +19,7 @@ The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.trai
 import torch
 
 from ampkit.engine import Parts, Variant
-from ampkit.errors import report_user_errors
+from ampkit.machinery.errors import report_user_errors
 from ampkit.train import Trainer
 
 

@@ -9,7 +9,7 @@ of this variant -- the plain training step, with no wrapper and no mixed precisi
 `python AMP/train_without.py --help` lists the flags.
 """
 from ampkit.engine import Parts, Variant
-from ampkit.errors import report_user_errors
+from ampkit.machinery.errors import report_user_errors
 from ampkit.train import Trainer
 
 

@@ -72,7 +72,7 @@ set -- $BEST; VARIANT=$1; shift; BEST_FLAGS="$*"
 python3 - "$NTRAIN" "$NTEST" <<'PY'
 import sys; sys.path.insert(0, "AMP")
 from pathlib import Path
-from ampkit.measure import write_cifar10
+from ampkit.machinery.measure import write_cifar10
 write_cifar10(Path("/tmp/gpu_check_cifar"), int(sys.argv[1]), int(sys.argv[2]), learnable=True)
 PY
 run real_run 150 python3 AMP/$VARIANT.py $DEV $BEST_FLAGS --dataset CIFAR10 --dataset_root /tmp/gpu_check_cifar \

@@ -158,8 +158,9 @@ def _show_our_deprecations() -> str:
     """A PYTHONWARNINGS value that shows (Pending)DeprecationWarnings raised on behalf of
     the project's own modules, which Python's default filters hide outside __main__
     (FutureWarning and UserWarning are shown by default anyway)."""
-    modules = ["__main__", "alexnet", "ampkit"] + sorted(
-        f"ampkit.{p.stem}" for p in (AMP_DIR / "ampkit").glob("*.py") if p.stem != "__init__")
+    modules = ["__main__", "alexnet"] + sorted(
+        ".".join(p.relative_to(AMP_DIR).with_suffix("").parts).removesuffix(".__init__")
+        for p in (AMP_DIR / "ampkit").rglob("*.py"))
     return ",".join(f"default::{cat}:{m}" for m in modules
                     for cat in ("DeprecationWarning", "PendingDeprecationWarning"))
 

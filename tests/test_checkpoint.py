@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from ampkit import checkpoint as ckpt_io
+from ampkit.machinery import checkpoint as ckpt_io
 
 
 def test_atomic_save_with_spare_rotates_and_rewrites_in_place(tmp_path):

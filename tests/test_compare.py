@@ -10,7 +10,7 @@ import pytest
 
 from conftest import IF_VAL_SIZE, event_files, run_script
 
-from ampkit import report, runner  # AMP/ is on sys.path (conftest)
+from ampkit.machinery import report, runner  # AMP/ is on sys.path (conftest)
 
 OK_VARIANTS = ("train_without", "train_DDP")
 FAILING = "train_GradScaler"  # forced to fail with an unknown flag
@@ -59,7 +59,7 @@ def test_accuracy_curve_is_accuracy_against_cumulative_training_time():
 
 def _result(variant, status="ok", images_per_s=None, peak_mem_mb=None, device="cpu",
             source="log"):
-    from ampkit.variants import TRAIN_VARIANTS
+    from ampkit.machinery.variants import TRAIN_VARIANTS
 
     parallel, precision = TRAIN_VARIANTS[variant]
     return report.VariantResult(variant=variant, parallel=parallel, precision=precision,
@@ -353,7 +353,7 @@ def test_benchmark_channels_last_reaches_the_model_and_its_inputs(monkeypatch, c
     """benchmark.py --channels_last measures what training with --channels_last runs."""
     import torch
 
-    from ampkit import measure
+    from ampkit.machinery import measure
     from ampkit.models import build_model
 
     seen = []

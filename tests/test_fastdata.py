@@ -1,4 +1,4 @@
-"""The fast input path (ampkit.fastdata) against the classic DataLoader path (ampkit.data).
+"""The fast input path (ampkit.machinery.fastdata) against the classic DataLoader path (ampkit.machinery.data).
 
 - Same samples: for the same indices, the same labels and, within one uint8 step of
   interpolation rounding, the same images as torchvision's PIL transforms; the same
@@ -20,12 +20,12 @@ import torch
 import torchvision.transforms.functional as TF
 from torch import nn
 
-from ampkit.data import eval_loader, train_loader
-from ampkit.datasets import STD, build_datasets, build_transform
+from ampkit.machinery.data import eval_loader, train_loader
+from ampkit.machinery.datasets import STD, build_datasets, build_transform
 from ampkit.distributed import DistInfo
-from ampkit.errors import UserError
-from ampkit.fastdata import DeviceLoader, fast_loaders, fits_in_memory, load_uint8
-from ampkit.measure import measure_input_pipeline, write_cifar10
+from ampkit.machinery.errors import UserError
+from ampkit.machinery.fastdata import DeviceLoader, fast_loaders, fits_in_memory, load_uint8
+from ampkit.machinery.measure import measure_input_pipeline, write_cifar10
 
 CPU = torch.device("cpu")
 # One uint8 step after normalisation (the largest for the smallest std): PIL rounds its

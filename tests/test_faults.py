@@ -140,7 +140,7 @@ def _weights(tmp_path: Path) -> Path:
 
 # ------------------------------------------------------------------ 3: broken CIFAR-10 files
 def _cifar(tmp_path: Path, archive: bool) -> Path:
-    from ampkit.measure import write_cifar10
+    from ampkit.machinery.measure import write_cifar10
 
     root = write_cifar10(tmp_path / "cifar", 60, 11, seed=1, learnable=True)
     if archive:
@@ -180,7 +180,7 @@ def _first_run(imagefolder_root, tmp_path, capsys, *extra) -> Path:
 def test_full_disk_is_found_before_writing(imagefolder_root, tmp_path, capsys, monkeypatch):
     run_dir = _first_run(imagefolder_root, tmp_path, capsys)
     before = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"]
-    from ampkit import checkpoint as ckpt_io
+    from ampkit.machinery import checkpoint as ckpt_io
 
     usage = shutil.disk_usage(run_dir)
     monkeypatch.setattr(ckpt_io.shutil, "disk_usage",
@@ -197,7 +197,7 @@ def test_full_disk_is_found_before_writing(imagefolder_root, tmp_path, capsys, m
 def test_disk_full_during_the_first_write_leaves_no_best_without_last(imagefolder_root,
                                                                       tmp_path, capsys,
                                                                       monkeypatch):
-    from ampkit import checkpoint as ckpt_io
+    from ampkit.machinery import checkpoint as ckpt_io
 
     def no_space(obj, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -215,7 +215,7 @@ def test_disk_full_during_the_first_write_leaves_no_best_without_last(imagefolde
 _HOLD = """
 import sys, time
 sys.path.insert(0, "AMP")
-from ampkit.checkpoint import RunLock
+from ampkit.machinery.checkpoint import RunLock
 lock = RunLock(sys.argv[1])
 print("locked", flush=True)
 time.sleep(300)
@@ -248,7 +248,7 @@ def test_second_run_in_the_same_folder_is_refused_until_the_first_dies(imagefold
 def test_log_survives_a_kill_mid_write(tmp_path):
     """A partial last line (the process killed while writing it) and rows of epochs the
     checkpoint does not hold are dropped when the run resumes; the rest stays JSON lines."""
-    from ampkit.log import RunLogger
+    from ampkit.machinery.log import RunLogger
 
     log = tmp_path / "log.jsonl"
     log.write_text('{"epoch": 1, "val_acc": 0.5}\n{"epoch": 2, "val_acc": 0.6}\n{"epoch": 3, "va')
@@ -327,8 +327,8 @@ ESCAPED = [b"h\x07.", b"\x80\x02(.", b"}(K\x01h\x02u.",
 
 @pytest.mark.filterwarnings("error")  # no warning noise either
 def test_random_bytes_are_never_a_traceback(tmp_path):
-    from ampkit import checkpoint as ckpt_io
-    from ampkit.errors import UserError
+    from ampkit.machinery import checkpoint as ckpt_io
+    from ampkit.machinery.errors import UserError
 
     rng = np.random.default_rng(2026)
     blobs = [rng.bytes(int(rng.integers(1, 4096))) for _ in range(400)] + ESCAPED

@@ -88,7 +88,7 @@ def test_neighbours_differ_by_their_technique_only(a, b):
 
 
 def _ampkit_modules() -> dict[str, ast.Module]:
-    return {p.stem: ast.parse(p.read_text()) for p in (AMP_DIR / "ampkit").glob("*.py")}
+    return {p.stem: ast.parse(p.read_text()) for p in (AMP_DIR / "ampkit").rglob("*.py")}
 
 
 def test_shared_helpers_have_no_import_cycle():

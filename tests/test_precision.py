@@ -22,7 +22,7 @@ from alexnet import AlexNet, alexnet
 from ampkit.engine import Parts, Variant
 from conftest import as_a_dataparallel_replica
 from ampkit.precision import resolve_amp_dtype
-from ampkit.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
+from ampkit.machinery.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
 
 CPU = torch.device("cpu")
 

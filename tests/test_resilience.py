@@ -154,8 +154,8 @@ def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_p
 def test_loading_a_non_fused_state_keeps_the_fused_optimizer():
     """optimizer.load_state_dict restores the saved group's fused=None; a GradScaler, which
     chose at construction to let the fused optimizer handle inf/NaN, then hits the foreach
-    path's assertion. ampkit.checkpoint.load_optimizer_state keeps what was built."""
-    from ampkit.checkpoint import load_optimizer_state
+    path's assertion. ampkit.machinery.checkpoint.load_optimizer_state keeps what was built."""
+    from ampkit.machinery.checkpoint import load_optimizer_state
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -282,7 +282,7 @@ def test_pickled_payload_is_refused_and_never_runs(tmp_path, imagefolder_root, c
 def ckpt_3class(tmp_path_factory) -> Path:
     """A good checkpoint (3-class AlexNet weights), written in-process as training writes it."""
     from alexnet import alexnet
-    from ampkit.checkpoint import atomic_save
+    from ampkit.machinery.checkpoint import atomic_save
 
     path = tmp_path_factory.mktemp("ckpt3") / "last.pth"
     torch.manual_seed(0)
@@ -312,11 +312,11 @@ def _corrupt_file(name: str, good: Path, tmp: Path) -> Path:
 
 @pytest.mark.parametrize("name", list(CORRUPT))
 def test_corrupt_or_foreign_checkpoint_is_one_line(name, ckpt_3class, tmp_path):
-    """In-process (fast): ampkit.checkpoint.load names the file and the cause in one line."""
+    """In-process (fast): ampkit.machinery.checkpoint.load names the file and the cause in one line."""
     import re
 
-    from ampkit import checkpoint as ckpt_io
-    from ampkit.errors import UserError
+    from ampkit.machinery import checkpoint as ckpt_io
+    from ampkit.machinery.errors import UserError
 
     path = _corrupt_file(name, ckpt_3class, tmp_path)
     with pytest.raises(UserError) as e:

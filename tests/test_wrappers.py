@@ -5,7 +5,7 @@ from torch import nn
 
 import train_DP
 from alexnet import alexnet
-from ampkit import checkpoint as ckpt_io
+from ampkit.machinery import checkpoint as ckpt_io
 from ampkit.engine import Parts
 
 

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
+from .machinery.errors import UserError
 
 
 @dataclass

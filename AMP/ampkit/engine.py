@@ -19,7 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .distributed import DistInfo, synchronize
-from .errors import UserError
+from .machinery.errors import UserError
 from .precision import SkippedSteps, resolve_amp_dtype
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images, targets) -> loss

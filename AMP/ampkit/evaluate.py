@@ -18,12 +18,12 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from . import checkpoint as ckpt_io
-from .config import DATA_DIR, check_arch_flags, parse_eval_args
-from .data import build_loaders, take_skipped
+from .machinery import checkpoint as ckpt_io
+from .machinery.config import DATA_DIR, check_arch_flags, parse_eval_args
+from .machinery.data import build_loaders, take_skipped
 from .distributed import cleanup, setup
 from .engine import count_correct
-from .errors import UserError
+from .machinery.errors import UserError
 from .models import DEFAULT_ARCH, autocast_in_replicas, build_model
 from .precision import resolve_amp_dtype
 

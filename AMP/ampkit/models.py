@@ -23,7 +23,7 @@ from torch import nn
 
 from alexnet import AlexNet, alexnet, autocast_forward
 
-from .errors import UserError
+from .machinery.errors import UserError
 
 DEFAULT_ARCH = "alexnet"
 MIN_ALEXNET_SIZE = 63  # AlexNet's feature extractor needs at least 63x63 input

@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .errors import UserError
+from .machinery.errors import UserError
 
 
 def resolve_amp_dtype(name: Optional[str], device: torch.device) -> torch.dtype:

@@ -25,14 +25,14 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from . import checkpoint as ckpt_io
-from .config import args_to_plain, parse_interval, parse_train_args
-from .data import build_loaders, take_skipped
+from .machinery import checkpoint as ckpt_io
+from .machinery.config import args_to_plain, parse_interval, parse_train_args
+from .machinery.data import build_loaders, take_skipped
 from .distributed import cleanup, setup
 from .engine import EpochStats, Parts, StopFlag, Variant, count_correct, train_one_epoch
-from .errors import UserError
-from .log import RunLogger, format_duration
-from .measure import StepProfiler, peak_memory_mb
+from .machinery.errors import UserError
+from .machinery.log import RunLogger, format_duration
+from .machinery.measure import StepProfiler, peak_memory_mb
 from .models import build_model
 from .precision import SkippedSteps, cpu_has_fast_bf16, set_tf32
 

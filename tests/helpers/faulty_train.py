@@ -52,7 +52,7 @@ if kill_in_save:
             os.kill(os.getpid(), signal.SIGKILL)
         return original_save(obj, f, *args, **kwargs)
 
-    torch.save = save  # looked up by ampkit.checkpoint.atomic_save at call time
+    torch.save = save  # looked up by ampkit.machinery.checkpoint.atomic_save at call time
 
 if __name__ == "__main__":
     importlib.import_module(sys.argv[1]).main(sys.argv[2:])

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DATA_DIR = REPO_ROOT / "data"
 CHECKPOINT_DIR = REPO_ROOT / "checkpoint"
 TENSORBOARD_DIR = REPO_ROOT / "tensorboard"
@@ -162,7 +162,7 @@ def _check_common(args: argparse.Namespace) -> None:
 def check_arch_flags(arch: Optional[str], img_size: Optional[int]) -> None:
     """``--arch list`` prints the names and exits; an unknown name, or an image size the
     network cannot take, is one line (None: not given, decided later)."""
-    from .models import arch_names, check_arch, check_input_size
+    from ..models import arch_names, check_arch, check_input_size
 
     if arch == "list":
         print("\n".join(arch_names()))

@@ -54,10 +54,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .distributed import DistInfo, cleanup, setup, synchronize
-from .engine import Parts, train_one_epoch
-from .models import build_model
-from .precision import SkippedSteps
+from ..distributed import DistInfo, cleanup, setup, synchronize
+from ..engine import Parts, train_one_epoch
+from ..models import build_model
+from ..precision import SkippedSteps
 from .variants import DISTRIBUTED, TRAIN_VARIANTS
 
 KINDS = ("article", "classic", "fast")

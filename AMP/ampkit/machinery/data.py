@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .datasets import (BadImage, IndexSampler, Unreadable, build_datasets, collate_readable,
                        train_sampler)
-from .distributed import DistInfo
+from ..distributed import DistInfo
 from .errors import UserError
 from .fastdata import fast_loaders, fits_in_memory
 

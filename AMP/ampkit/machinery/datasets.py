@@ -27,7 +27,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler, default_colla
 from torchvision import transforms
 from torchvision.datasets.utils import extract_archive
 
-from .distributed import DistInfo
+from ..distributed import DistInfo
 from .errors import RankError, UserError
 
 # ImageNet statistics: standard for AlexNet and what its pretrained weights expect.

@@ -40,7 +40,7 @@ import torchvision
 
 from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD, IndexSampler,
                        check_cifar_root, cifar10, train_sampler)
-from .distributed import DistInfo
+from ..distributed import DistInfo
 from .errors import UserError
 
 
