@@ -1,17 +1,15 @@
-"""AlexNet (torchvision's architecture) whose ``forward`` runs under autocast.
+"""AlexNet (torchvision's architecture) whose ``forward`` runs under autocast, as in the article.
 
-Why decorate ``forward``: ``nn.DataParallel`` runs each replica's forward in a
-worker thread, and autocast state is thread-local. PyTorch re-enters autocast in
-those threads with the caller's *enabled* flag but not always its dtype, so a
-bfloat16 run under DP would silently fall back to float16 (or fp32). The
-decorator below re-enters autocast inside ``forward`` with the dtype chosen at
-run time (``model.amp_dtype``) and the device type of the input, so every
-replica, in every thread, computes in the precision the run asked for.
+The article decorates AlexNet's ``forward`` with ``@autocast()``. Why: ``nn.DataParallel``
+runs each replica's forward in a worker thread, and autocast state is thread-local.
+PyTorch re-enters autocast in those threads with the caller's *enabled* flag but not its
+dtype, so a bfloat16 run under DP would silently fall back to float16. ``autocast_forward``
+below re-enters autocast inside ``forward`` with the dtype chosen at run time
+(``model.amp_dtype``) and the device type of the input, in every thread.
 
-``model.features`` is decorated the same way (``AutocastSequential``), because
-``--dp_scope features`` replicates that block alone (pytorch/examples' ImageNet
-recipe for AlexNet), and then the worker threads call ``features``, not
-``AlexNet.forward``. Setting ``model.amp_dtype`` sets both.
+The training scripts apply the same decorator to whatever DataParallel replicates, for any
+``--arch`` (``ampkit.models.autocast_in_replicas``: the whole model, or only
+``model.features`` with ``--dp_scope features``), so they leave ``amp_dtype`` at None here.
 
 ``amp_dtype = None`` leaves the caller's precision untouched (fp32 variants).
 """
@@ -23,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-__all__ = ["AlexNet", "AutocastSequential", "alexnet", "autocast_forward"]
+__all__ = ["AlexNet", "alexnet", "autocast_forward"]
 
 # torchvision's ImageNet weights (fetched only with pretrained=True, never in tests).
 ALEXNET_WEIGHTS_URL = "https://download.pytorch.org/models/alexnet-owt-7be5be79.pth"
@@ -43,27 +41,13 @@ def autocast_forward(forward: Callable) -> Callable:
     return wrapper
 
 
-class AutocastSequential(nn.Sequential):
-    """``nn.Sequential`` whose forward runs under autocast with ``amp_dtype`` (None: as called).
-
-    Same state-dict keys as ``nn.Sequential``; a plain attribute, which DataParallel's
-    replicas copy with the rest of the module's ``__dict__``.
-    """
-
-    amp_dtype: Optional[torch.dtype] = None
-
-    @autocast_forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)
-
-
 class AlexNet(nn.Module):
     """torchvision.models.AlexNet, layer for layer (so its weights load), plus ``amp_dtype``."""
 
     def __init__(self, num_classes: int = 1000, dropout: float = 0.5,
                  amp_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        self.features = AutocastSequential(
+        self.features = nn.Sequential(
             nn.Conv2d(3, 64, kernel_size=11, stride=4, padding=2),
             nn.ReLU(inplace=True),
             nn.MaxPool2d(kernel_size=3, stride=2),
@@ -88,21 +72,9 @@ class AlexNet(nn.Module):
             nn.ReLU(inplace=True),
             nn.Linear(4096, num_classes),
         )
+        # The autocast dtype of ``forward`` (None: as called). A plain attribute, not a
+        # buffer: it is not saved in checkpoints, and DataParallel's replicas copy it.
         self.amp_dtype = amp_dtype
-
-    @property
-    def amp_dtype(self) -> Optional[torch.dtype]:
-        """The autocast dtype of ``forward`` (None: fp32). Not a buffer: it is not saved in
-        checkpoints, and DataParallel's replicas copy it with the module's ``__dict__``."""
-        return self._amp_dtype
-
-    @amp_dtype.setter
-    def amp_dtype(self, dtype: Optional[torch.dtype]) -> None:
-        self._amp_dtype = dtype
-        # Through any wrapper: with --dp_scope features, model.features is a DataParallel.
-        for m in self.modules():
-            if isinstance(m, AutocastSequential):
-                m.amp_dtype = dtype
 
     @autocast_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ RESULTS_DIR = REPO_ROOT / "results"
 
 
 def build_parser() -> Parser:
-    d = train_parser("train_without", ddp=False)  # the train scripts' defaults, kept in sync
+    d = train_parser("train_without")  # the train scripts' defaults, kept in sync
     p = Parser(prog="compare.py", description=__doc__.split("\n\n")[0],
                formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(
                    prog, max_help_position=32))
@@ -289,53 +289,55 @@ class Comparison:
         r.status = OK
         return r
 
-    # -- the report -----------------------------------------------------------
-    def write(self, results: List[VariantResult], plot: bool = True) -> str:
-        a = self.args
-        command = shlex.join(["python", os.path.relpath(__file__)] + sys.argv[1:]) \
-            if sys.argv and sys.argv[0].endswith("compare.py") else "(from Python)"
-        machine = (f"{self.gpus} x {_gpu_name()}" if self.cuda
-                   else f"CPU: {_cpu_name()}, {os.cpu_count()} cores")
-        preamble = [
-            f"Command: `{command}`",
-            "",
-            f"- Machine: {machine}; torch {self.torch_version}, Python {platform.python_version()}",
-            f"- Data: {a.dataset} ({_short(a.dataset_root)}) at {a.img_size}px; {a.epochs} epochs, batch "
-            f"{a.batch_size} (per process under DDP), AdamW lr {a.lr:g}, seed {a.seed}",
-            f"- Run: {time.strftime('%Y-%m-%d %H:%M')}; DDP variants: {self.nproc} processes",
-        ]
-        notes = [
-            "Columns: *total wall time* is the training command from start to exit (process "
-            "start-up, data loading, validation and checkpoint writes included); *training time* "
-            "is the sum of the training loops alone (`train_time` in log.jsonl, device "
-            "synchronised, no validation); *images/s* is the median over the epochs after the "
-            "first (the only epoch's when there is one), all devices together; *peak memory* is "
-            "`peak_mem_mb` from log.jsonl (rank 0: `torch.cuda.max_memory_allocated` on a GPU, "
-            "max RSS on the CPU), or, marked (RSS), the peak resident memory of the largest "
-            "process of the command measured by compare.py; *test acc* is what the variant's "
-            "eval script prints for its last.pth.",
-        ]
-        report.write_csv(results, self.dir / "results.csv")
-        text = report.write_markdown(results, self.dir / "results.md",
-                                     title="AlexNet AMP comparison", preamble=preamble, notes=notes)
-        if not plot:
-            return text
-        curves = {r.variant: report.accuracy_curve(
-            report.read_log(self.ckpt_dir / r.variant / "log.jsonl")) for r in results}
-        figure = None
-        try:
-            figure = report.plot_results(
-                results, self.dir / "results.png", curves=curves,
-                title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
-        except Exception as e:  # a plot must not cost the user the table
-            print(f"compare.py: warning: results.png not written ({e})", file=sys.stderr)
-        if a.tensorboard:
-            try:
-                write_tensorboard(self.tb_dir, curves, self.started, figure)
-            except Exception as e:  # nor TensorBoard
-                print(f"compare.py: warning: TensorBoard curves not written ({e})",
-                      file=sys.stderr)
+
+def write_results(comp: Comparison, results: List[VariantResult], plot: bool = True) -> str:
+    """results.csv and results.md (and with ``plot`` results.png and the TensorBoard
+    curves) of the variants run so far; the Markdown table."""
+    a = comp.args
+    command = shlex.join(["python", os.path.relpath(__file__)] + sys.argv[1:]) \
+        if sys.argv and sys.argv[0].endswith("compare.py") else "(from Python)"
+    machine = (f"{comp.gpus} x {_gpu_name()}" if comp.cuda
+               else f"CPU: {_cpu_name()}, {os.cpu_count()} cores")
+    preamble = [
+        f"Command: `{command}`",
+        "",
+        f"- Machine: {machine}; torch {comp.torch_version}, Python {platform.python_version()}",
+        f"- Data: {a.dataset} ({_short(a.dataset_root)}) at {a.img_size}px; {a.epochs} epochs, batch "
+        f"{a.batch_size} (per process under DDP), AdamW lr {a.lr:g}, seed {a.seed}",
+        f"- Run: {time.strftime('%Y-%m-%d %H:%M')}; DDP variants: {comp.nproc} processes",
+    ]
+    notes = [
+        "Columns: *total wall time* is the training command from start to exit (process "
+        "start-up, data loading, validation and checkpoint writes included); *training time* "
+        "is the sum of the training loops alone (`train_time` in log.jsonl, device "
+        "synchronised, no validation); *images/s* is the median over the epochs after the "
+        "first (the only epoch's when there is one), all devices together; *peak memory* is "
+        "`peak_mem_mb` from log.jsonl (rank 0: `torch.cuda.max_memory_allocated` on a GPU, "
+        "max RSS on the CPU), or, marked (RSS), the peak resident memory of the largest "
+        "process of the command measured by compare.py; *test acc* is what the variant's "
+        "eval script prints for its last.pth.",
+    ]
+    report.write_csv(results, comp.dir / "results.csv")
+    text = report.write_markdown(results, comp.dir / "results.md",
+                                 title="AlexNet AMP comparison", preamble=preamble, notes=notes)
+    if not plot:
         return text
+    curves = {r.variant: report.accuracy_curve(
+        report.read_log(comp.ckpt_dir / r.variant / "log.jsonl")) for r in results}
+    figure = None
+    try:
+        figure = report.plot_results(
+            results, comp.dir / "results.png", curves=curves,
+            title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
+    except Exception as e:  # a plot must not cost the user the table
+        print(f"compare.py: warning: results.png not written ({e})", file=sys.stderr)
+    if a.tensorboard:
+        try:
+            write_tensorboard(comp.tb_dir, curves, comp.started, figure)
+        except Exception as e:  # nor TensorBoard
+            print(f"compare.py: warning: TensorBoard curves not written ({e})",
+                  file=sys.stderr)
+    return text
 
 
 TB_ACCURACY = "compare/val_accuracy_by_train_ms"
@@ -394,9 +396,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             interrupted = True
         elif r.status != OK:
             print(f"==> {variant} FAILED: {r.reason}", flush=True)
-        comp.write(results, plot=False)  # after every variant: a long comparison keeps what it has
+        write_results(comp, results, plot=False)  # after every variant: a long comparison keeps what it has
 
-    comp.write(results)
+    write_results(comp, results)
     print("\n" + report.markdown_table(results))
     print(f"\nresults: {comp.dir / 'results.csv'}, results.md, results.png")
     if args.tensorboard:

@@ -4,28 +4,43 @@
     torchrun --nproc_per_node=2 AMP/eval_DDP.py --checkpoint checkpoint/train_DP_autocast/best.pth
     python AMP/eval_DDP.py                                       # one process
 
-Each process counts the correct predictions on its shard of the test split, then one
-all_reduce sums the counts. The shards are disjoint and cover every image once, so the
-result is exactly eval_without's for any number of processes.
+The process group is set up and torn down as in the DDP train scripts (see train_DDP.py):
+torchrun's RANK, LOCAL_RANK and WORLD_SIZE, set_device, init_process_group, and
+destroy_process_group at the end. Each process counts the correct predictions on its shard
+of the test split, then one all_reduce sums the counts. The shards are disjoint and cover
+every image once, so the result is exactly eval_without's for any number of processes.
 
-Pitfall: DistributedSampler pads the shards with repeated images so that all are the same
-length; evaluation with it counts some images twice. And no DDP wrapper is needed: there
-are no gradients to synchronise, only the counts. `--help` lists the flags.
+What the article got wrong: it evaluated with a DistributedSampler, which pads the shards
+with repeated images so that all are the same length (some images counted twice), and
+divided each process's own count by the size of the whole test set. No DDP wrapper is
+needed: there are no gradients to synchronise, only the counts. `--help` lists the flags.
 """
+import torch
 import torch.distributed as dist
 
-from ampkit.machinery.errors import report_user_errors
+from ampkit.distributed import GROUP_TIMEOUT, elastic_store, process_device, torchrun_env
 from ampkit.evaluate import Evaluation
+from ampkit.machinery.config import parse_eval_args
+from ampkit.machinery.errors import report_user_errors
 
 
-@report_user_errors
+@report_user_errors  # after an error, also leaves the process group
 def main(argv=None):
-    ev = Evaluation("eval_DDP", argv, ddp=True)  # + the process group, from torchrun's env
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    args = parse_eval_args("eval_DDP", argv, __doc__, process_group=True)
+    rank, local_rank, world_size = torchrun_env()  # plain python: a group of one
+    device = process_device(args.cuda, local_rank)  # cuda:LOCAL_RANK, or the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA work, or every rank would use GPU 0
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+                            world_size=world_size, store=elastic_store(rank, world_size),
+                            timeout=GROUP_TIMEOUT,
+                            device_id=device if device.type == "cuda" else None)
+    ev = Evaluation(args, device)  # checkpoint, test split, model with its weights
     shard = range(rank, ev.test_size, world_size)  # every world_size-th image, from `rank` on
     counts = ev.count_correct(ev.model, shard)  # tensor([correct, seen]) of this shard
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # summed over all processes: exact totals
     ev.report(*counts.tolist())
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@ Every variant's checkpoint loads here (weights are saved without DataParallel's 
 `module.` prefix); the data set, its root and the image size default to the ones the
 checkpoint was trained with. `--help` lists the flags.
 """
-from ampkit.machinery.errors import report_user_errors
 from ampkit.evaluate import Evaluation
+from ampkit.machinery.config import parse_eval_args
+from ampkit.machinery.errors import report_user_errors
 
 
 @report_user_errors
 def main(argv=None):
-    ev = Evaluation("eval_without", argv)  # flags, checkpoint, test split, model on the device
+    args = parse_eval_args("eval_without", argv, __doc__)
+    ev = Evaluation(args)  # device, checkpoint, test split, model with its weights
     model = ev.model
     counts = ev.count_correct(model, range(ev.test_size))  # tensor([correct, seen])
     ev.report(*counts.tolist())

@@ -12,24 +12,29 @@ is what PyTorch recommends. Without CUDA, DataParallel just calls the model.
 ImageNet script does for AlexNet: the 54M-parameter classifier then stays on GPU 0 and is
 not copied every step.
 
-Pitfall: --batch_size is the whole batch, split across the GPUs (under DDP it is per process).
+Pitfall: --batch_size is the whole batch, split across the GPUs (under DDP it is per
+process). The article saved the wrapped model, whose keys carry a `module.` prefix that
+no unwrapped model loads; checkpoints here hold the bare model's weights.
 The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
 `python AMP/train_DP.py --help` lists the flags.
 """
+import torch
 from torch import nn
 
-from ampkit.engine import Parts, Variant
+from ampkit.engine import Parts, Technique
+from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
 from ampkit.train import Trainer
 
 
-def build(parts: Parts) -> Variant:
-    criterion, optimizer = parts.criterion, parts.optimizer
+def build(parts: Parts) -> Technique:
     model = parts.model
     if parts.dp_scope == "features":
         model.features = nn.DataParallel(model.features)  # the conv layers only
     else:
         model = nn.DataParallel(model)  # all visible GPUs; the batch is split between them
+    criterion = parts.criterion
+    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
 
     def train_step(images, targets):
         loss = criterion(model(images), targets)
@@ -38,12 +43,16 @@ def build(parts: Parts) -> Variant:
         optimizer.step()
         return loss
 
-    return Variant(model, train_step)
+    return Technique(model, optimizer, train_step)
 
 
 @report_user_errors
 def main(argv=None):
-    Trainer("train_DP", argv).fit(build)
+    args = parse_train_args("train_DP", argv, __doc__)
+    with Trainer(args) as trainer:  # device, run folder, data, model, resumed state
+        technique = trainer.start(build)  # trained in one process's order, reshuffled each epoch
+        for epoch in trainer.epochs():
+            trainer.train_epoch(technique, epoch)  # train, validate, LR schedule, save, log
 
 
 if __name__ == "__main__":

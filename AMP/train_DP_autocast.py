@@ -9,29 +9,32 @@ float16 (bfloat16 with --amp_dtype bfloat16) and keeps the weights in float32.
 
 Pitfall: autocast state is thread-local. DataParallel's replica threads re-enter autocast
 with the caller's on/off flag but their own default dtype (float16 on CUDA), so a bf16 run
-would silently compute in fp16 there. So the model's forward re-enters autocast itself with
-the run's dtype, in every thread: AlexNet by its own amp_dtype (alexnet.py), any other
---arch in an AutocastForward wrapper (autocast_in_replicas, ampkit/models.py).
+would silently compute in fp16 there. The article decorated AlexNet's forward with
+@autocast(); here whatever DataParallel replicates -- the model, or model.features with
+--dp_scope features -- is wrapped so that it re-enters autocast with the run's dtype in
+every thread (autocast_in_replicas, ampkit/models.py), for any --arch.
 The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
 `python AMP/train_DP_autocast.py --help` lists the flags.
 """
 import torch
 from torch import nn
 
-from ampkit.engine import Parts, Variant
+from ampkit.engine import Parts, Technique
+from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
 from ampkit.models import autocast_in_replicas
 from ampkit.train import Trainer
 
 
-def build(parts: Parts) -> Variant:
-    criterion, optimizer = parts.criterion, parts.optimizer
-    # autocast is thread-local: the forward re-enters it in DP's replica threads (models.py)
-    model = autocast_in_replicas(parts.model, parts.amp_dtype)
-    if parts.dp_scope == "features":
-        model.features = nn.DataParallel(model.features)  # the conv layers only
-    else:
-        model = nn.DataParallel(model)  # all visible GPUs; the batch is split between them
+def build(parts: Parts) -> Technique:
+    model = parts.model
+    # autocast is thread-local: what DP replicates re-enters it in each replica's thread
+    if parts.dp_scope == "features":  # the conv layers only
+        model.features = nn.DataParallel(autocast_in_replicas(model.features, parts.amp_dtype))
+    else:  # all visible GPUs; the batch is split between them
+        model = nn.DataParallel(autocast_in_replicas(model, parts.amp_dtype))
+    criterion = parts.criterion
+    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
     autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
 
     def train_step(images, targets):
@@ -42,12 +45,16 @@ def build(parts: Parts) -> Variant:
         optimizer.step()
         return loss
 
-    return Variant(model, train_step, autocast)
+    return Technique(model, optimizer, train_step, autocast)
 
 
 @report_user_errors
 def main(argv=None):
-    Trainer("train_DP_autocast", argv).fit(build)
+    args = parse_train_args("train_DP_autocast", argv, __doc__)
+    with Trainer(args) as trainer:  # device, run folder, data, model, resumed state
+        technique = trainer.start(build)  # trained in one process's order, reshuffled each epoch
+        for epoch in trainer.epochs():
+            trainer.train_epoch(technique, epoch)  # train, validate, LR schedule, save, log
 
 
 if __name__ == "__main__":

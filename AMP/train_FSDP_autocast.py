@@ -1,54 +1,94 @@
-"""Train with FSDP2 (fully_shard) under autocast: sharded model, mixed-precision operators.
+"""Train with FSDP2 (fully_shard) under autocast: sharded model, mixed precision per operator.
 
     torchrun --nproc_per_node=2 AMP/train_FSDP_autocast.py --epochs 20
-    torchrun --nproc_per_node=2 AMP/train_FSDP_autocast.py --amp_dtype bfloat16 --arch resnet50
+    torchrun --nproc_per_node=2 AMP/train_FSDP_autocast.py --amp_dtype bfloat16
 
 Several nodes (the same command on every node; HOST_OF_NODE0: the first node's address):
 
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST_OF_NODE0:29400 --rdzv-id=alexnet-amp AMP/train_FSDP_autocast.py
 
-FSDP2 (see train_FSDP.py) shards the parameters, gradients and optimizer state across the
-processes; autocast (see train_autocast.py) runs convolutions and matmuls in float16
-(bfloat16 with --amp_dtype bfloat16). The sharded parameters stay float32, and so do the
-all-gathered ones and the reduce-scattered gradients: autocast casts each operator's inputs
-as it runs. train_FSDP_mixed.py shows FSDP2's own mixed precision, which casts per block.
+DDP's recipe, FSDP2 the wrapper, every step in main() and build() [the article's bugs]:
+1. one process per GPU, in a process group from torchrun's environment (RANK, LOCAL_RANK,
+   WORLD_SIZE): torch.cuda.set_device before any CUDA work, then init_process_group, NCCL
+   on GPUs and gloo on the CPU [rank and address by hand, gloo on GPUs too, no set_device];
+2. fully_shard on each block, then on the root: each process holds a shard of every
+   parameter, gradient and AdamW state; the optimizer is made after sharding, over
+   the shards;
+3. DistributedSampler: each process its own share of the data; sampler.set_epoch(epoch)
+   every epoch [never called: every epoch repeated the first one's order];
+4. global rank 0 alone writes, the full weights, gathered from the shards (machinery/saving.py)
+   [every rank saved, with DDP's `module.` prefix];
+5. the loss and the accuracy summed over the processes by all_reduce [each rank divided
+   its own count by the whole test set];
+6. destroy_process_group at the end [never called].
 
-Pitfall: --batch_size is per process. float16 without a GradScaler risks underflowing
-gradients (train_FSDP_GradScaler.py).
+autocast (see train_autocast.py) casts each gathered float32 weight as each operator
+runs; the all-gathers and reduce-scatters move float32. FSDP2's own mixed precision,
+which casts a whole block when it is gathered, is train_FSDP_mixed.py.
+
+Pitfall: --batch_size is per process. float16 without a scaler may underflow: see
+train_FSDP_GradScaler.py, or --amp_dtype bfloat16.
 The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
 `python AMP/train_FSDP_autocast.py --help` lists the flags.
 """
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DistributedSampler
 
-from ampkit.engine import Parts, Variant
+from ampkit.distributed import GROUP_TIMEOUT, elastic_store, process_device, torchrun_env
+from ampkit.engine import Parts, Technique
+from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
 from ampkit.models import shard_units
 from ampkit.train import Trainer
 
 
-def build(parts: Parts) -> Variant:
-    for block in shard_units(parts.model):  # each layer or residual block, then the root
+def build(parts: Parts) -> Technique:
+    model = parts.model.to(memory_format=torch.contiguous_format)  # what fully_shard takes
+    # 2. Each process holds a shard of every parameter; each block is gathered to run.
+    for block in shard_units(model):  # each layer or residual block, then the root
         fully_shard(block)
-    model = fully_shard(parts.model)
-    criterion, optimizer = parts.criterion, parts.optimizer  # AdamW over this process's shards
+    model = fully_shard(model)
+    criterion = parts.criterion
+    # After fully_shard, which replaced the parameters: AdamW over this process's shards.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
     autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
 
     def train_step(images, targets):
         with autocast:  # the forward pass and the loss; backward follows the forward's dtypes
             loss = criterion(model(images), targets)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # FSDP2 reduce-scatters the gradients during backward
+        loss.backward()  # FSDP2 reduce-scatters them
         optimizer.step()
         return loss
 
-    return Variant(model, train_step, autocast)
+    return Technique(model, optimizer, train_step, autocast)
 
 
-@report_user_errors
+@report_user_errors  # after an error or a stop, also leaves the process group
 def main(argv=None):
-    Trainer("train_FSDP_autocast", argv, ddp=True).fit(build)
+    args = parse_train_args("train_FSDP_autocast", argv, __doc__, process_group=True)
+    # 1. One process per device, in a process group from torchrun's environment.
+    rank, local_rank, world_size = torchrun_env()  # plain python: a group of one
+    device = process_device(args.cuda, local_rank)  # cuda:LOCAL_RANK, or the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA work, or every rank would use GPU 0
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+                            world_size=world_size, store=elastic_store(rank, world_size),
+                            timeout=GROUP_TIMEOUT,
+                            device_id=device if device.type == "cuda" else None)
+    with Trainer(args, device) as trainer:  # run folder, data, model, resumed state
+        # 3. Each process trains on its own share of the data.
+        sampler = DistributedSampler(trainer.train_set, shuffle=True, seed=args.seed)
+        technique = trainer.start(build, sampler)
+        for epoch in trainer.epochs():
+            sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
+            # 4-5: rank 0 alone saves, the unwrapped weights (machinery/saving.py); loss and
+            # accuracy are summed over the ranks by all_reduce (engine.py, train.py)
+            trainer.train_epoch(technique, epoch)
+    dist.destroy_process_group()  # 6. leave the group
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ float16 gradients that would underflow to zero stay representable. scaler.step()
 the gradients by the factor again before the optimizer uses them, and skips the step when
 they hold inf/NaN (the factor was too large); scaler.update() then halves the factor, and
 doubles it after 2000 steps without overflow. The skipped steps are counted in the epoch
-line and in TensorBoard.
+line and in TensorBoard. The article's torch.cuda.amp.GradScaler() is
+torch.amp.GradScaler("cuda") now.
 
 Pitfall: fp16 needs loss scaling, bf16 does not: bfloat16 has float32's exponent range.
 Anything that reads the gradients between backward() and step() (clipping, say) must call
@@ -18,14 +19,16 @@ The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.trai
 """
 import torch
 
-from ampkit.engine import Parts, Variant
+from ampkit.engine import Parts, Technique
+from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
 from ampkit.train import Trainer
 
 
-def build(parts: Parts) -> Variant:
-    criterion, optimizer = parts.criterion, parts.optimizer
+def build(parts: Parts) -> Technique:
     model = parts.model
+    criterion = parts.criterion
+    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
     autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
     scaler = torch.amp.GradScaler(parts.device.type)
 
@@ -38,12 +41,16 @@ def build(parts: Parts) -> Variant:
         scaler.update()                # halves the scale after a skip, grows it after good steps
         return loss
 
-    return Variant(model, train_step, autocast, scaler)
+    return Technique(model, optimizer, train_step, autocast, scaler)
 
 
 @report_user_errors
 def main(argv=None):
-    Trainer("train_GradScaler", argv).fit(build)
+    args = parse_train_args("train_GradScaler", argv, __doc__)
+    with Trainer(args) as trainer:  # device, run folder, data, model, resumed state
+        technique = trainer.start(build)  # trained in one process's order, reshuffled each epoch
+        for epoch in trainer.epochs():
+            trainer.train_epoch(technique, epoch)  # train, validate, LR schedule, save, log
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ autocast runs each operator in the precision that suits it: convolutions and mat
 float16 (the default on CUDA) or bfloat16 (the default on the CPU); reductions, softmax and
 the loss in float32. The weights, their gradients and the optimizer stay in float32, and
 backward() needs no autocast: each operator's gradient runs in the dtype of its forward.
+The article's torch.cuda.amp.autocast() is torch.autocast("cuda") now, and CUDA-only.
 
 Pitfall: float16's range is narrow (its smallest normal number is 6e-5), so small gradients
 can underflow to zero and training quietly stalls; GradScaler prevents that
@@ -16,14 +17,16 @@ The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.trai
 """
 import torch
 
-from ampkit.engine import Parts, Variant
+from ampkit.engine import Parts, Technique
+from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
 from ampkit.train import Trainer
 
 
-def build(parts: Parts) -> Variant:
-    criterion, optimizer = parts.criterion, parts.optimizer
+def build(parts: Parts) -> Technique:
     model = parts.model
+    criterion = parts.criterion
+    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
     autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
 
     def train_step(images, targets):
@@ -34,12 +37,16 @@ def build(parts: Parts) -> Variant:
         optimizer.step()
         return loss
 
-    return Variant(model, train_step, autocast)
+    return Technique(model, optimizer, train_step, autocast)
 
 
 @report_user_errors
 def main(argv=None):
-    Trainer("train_autocast", argv).fit(build)
+    args = parse_train_args("train_autocast", argv, __doc__)
+    with Trainer(args) as trainer:  # device, run folder, data, model, resumed state
+        technique = trainer.start(build)  # trained in one process's order, reshuffled each epoch
+        for epoch in trainer.epochs():
+            trainer.train_epoch(technique, epoch)  # train, validate, LR schedule, save, log
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def test_bf16_under_dataparallel_for_any_arch():
 
     torch.manual_seed(0)
     net = torchvision.models.get_model("resnet18", num_classes=3).eval()
-    v = train_DP_autocast.build(Parts(CPU, net, nn.CrossEntropyLoss(), amp_dtype_flag="float16"))
+    v = train_DP_autocast.build(Parts(CPU, net, nn.CrossEntropyLoss(), amp_dtype="float16"))
     replica = v.model.module  # what DataParallel runs in each of its threads
     seen = {}
     net.layer1[0].conv1.register_forward_hook(lambda m, i, o: seen.__setitem__("conv", o.dtype))
@@ -188,8 +188,8 @@ def test_fsdp_precision_is_what_the_script_says(variant, group_of_one):
     seen = {}
     net.classifier[4].register_forward_hook(lambda m, i, o: seen.__setitem__("fc2", o.dtype))
     v = importlib.import_module(variant).build(Parts(CPU, net, nn.CrossEntropyLoss(),
-                                                     amp_dtype_flag="bfloat16"))
-    assert v.amp_dtype is torch.bfloat16 and v.precision == variant.rsplit("_", 1)[1]
+                                                     amp_dtype="bfloat16"))
+    assert v.compute_dtype is torch.bfloat16 and v.precision == variant.rsplit("_", 1)[1]
     with torch.no_grad(), v.autocast or torch.autocast("cpu", enabled=False):
         out = v.model(torch.randn(2, 3, 64, 64))
     assert seen["fc2"] == torch.bfloat16

@@ -20,9 +20,11 @@ import torch
 import torchvision.transforms.functional as TF
 from torch import nn
 
-from ampkit.machinery.data import eval_loader, train_loader
-from ampkit.machinery.datasets import STD, build_datasets, build_transform
+from torch.utils.data import DistributedSampler
+
 from ampkit.distributed import DistInfo
+from ampkit.machinery.data import eval_loader, train_loader
+from ampkit.machinery.datasets import STD, build_datasets, build_transform, one_process_sampler
 from ampkit.machinery.errors import UserError
 from ampkit.machinery.fastdata import DeviceLoader, fast_loaders, fits_in_memory, load_uint8
 from ampkit.machinery.measure import measure_input_pipeline, write_cifar10
@@ -83,11 +85,13 @@ def test_training_order_and_flips_match_classic(cifar_root):
     image or its mirror, with both flips drawn."""
     img_size = 64
     classic = build_datasets("CIFAR10", cifar_root, img_size, info())
-    train, _, _ = fast_loaders("CIFAR10", cifar_root, img_size, 8, info(), seed=3)
-    classic_dl = train_loader(classic.train, 8, 0, info(), seed=3)
+    train_set, _, _ = fast_loaders("CIFAR10", cifar_root, img_size, 8, info())
+    fast_order, classic_order = (one_process_sampler(len(train_set), 3) for _ in range(2))
+    train = train_set.loader(fast_order)
+    classic_dl = train_loader(classic.train, 8, 0, info(), sampler=classic_order)
     for epoch in (0, 1):
-        train.sampler.set_epoch(epoch)
-        classic_dl.sampler.set_epoch(epoch)
+        fast_order.set_epoch(epoch)
+        classic_order.set_epoch(epoch)
         order = list(classic_dl.sampler)
         assert list(train.sampler) == order
         images, labels = map(torch.cat, zip(*train))
@@ -133,12 +137,20 @@ def test_in_memory_datasets_only(imagefolder_root, tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- DDP sharding
 def identity_loaders(n, world_size, *, batch_size=4, train=True, seed=0):
-    """One loader per simulated rank whose labels are the sample indices."""
+    """One loader per simulated rank whose labels are the sample indices; training in the
+    order of that rank's DistributedSampler, as a DDP script makes it."""
     images = torch.arange(n, dtype=torch.uint8).view(n, 1, 1, 1).expand(n, 3, 2, 2).contiguous()
     labels = torch.arange(n)
     return [DeviceLoader(images, labels, batch_size=batch_size, img_size=2, device=CPU,
-                         train=train, info=info(r, world_size), seed=seed)
+                         train=train, info=info(r, world_size),
+                         sampler=DistributedSampler(range(n), num_replicas=world_size, rank=r,
+                                                    shuffle=True, seed=seed) if train else None)
             for r in range(world_size)]
+
+
+def set_epoch(loaders, epoch):
+    for loader in loaders:
+        loader.sampler.sampler.set_epoch(epoch)  # the DistributedSampler in the resumable one
 
 
 def seen(loader):
@@ -150,8 +162,7 @@ def test_two_ranks_see_every_sample_once_per_epoch(n):
     ranks = identity_loaders(n, 2)
     orders = []
     for epoch in (0, 1, 2):
-        for r in ranks:
-            r.sampler.set_epoch(epoch)
+        set_epoch(ranks, epoch)
         shares = [seen(r) for r in ranks]
         assert [len(s) for s in shares] == [math.ceil(n / 2)] * 2
         assert [len(r) for r in ranks] == [math.ceil(math.ceil(n / 2) / 4)] * 2
@@ -164,14 +175,13 @@ def test_two_ranks_see_every_sample_once_per_epoch(n):
     assert orders[0] != orders[1] != orders[2]
     # The same seed and epoch give the same order (what a resumed run relies on).
     again = identity_loaders(n, 2)
-    for r in again:
-        r.sampler.set_epoch(1)
+    set_epoch(again, 1)
     assert [seen(r) for r in again] == orders[1]
 
 
 def test_start_index_skips_exactly_the_first_batches():
     loader = identity_loaders(50, 2, batch_size=4)[1]
-    loader.sampler.set_epoch(5)
+    set_epoch([loader], 5)
     full = list(loader)
     assert len(loader) == len(full) == 7
     loader.sampler.start_index = 3 * 4
@@ -185,9 +195,10 @@ def test_flips_reproducible_per_seed_epoch_rank(cifar_root):
     images, labels = load_uint8("CIFAR10", cifar_root, info(), train=True)
 
     def flips(seed, epoch, rank):
+        order = DistributedSampler(range(len(labels)), num_replicas=2, rank=rank, seed=seed)
         loader = DeviceLoader(images, labels, batch_size=32, img_size=32, device=CPU,
-                              train=True, info=info(rank, 2), seed=seed)
-        loader.sampler.set_epoch(epoch)
+                              train=True, info=info(rank, 2), sampler=order)
+        order.set_epoch(epoch)
         return loader._epoch_indices()[1]
 
     assert torch.equal(flips(0, 0, 0), flips(0, 0, 0))
@@ -233,7 +244,7 @@ def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
     v = train_without.build(Parts(CPU, model, nn.CrossEntropyLoss(), lr=3e-4))
     losses = []
     for epoch in range(epochs):
-        train_dl.sampler.set_epoch(epoch)
+        train_dl.sampler.sampler.set_epoch(epoch)
         model.train()
         losses.append(train_one_epoch(v.step, train_dl, info()).loss)
     correct, total = count_correct(model, val_dl, info()).tolist()
@@ -244,8 +255,8 @@ def test_fast_path_learns_as_well_as_classic(tmp_path):
     root = write_cifar10(tmp_path, 128, 48, learnable=True, num_classes=4)
     img_size, batch = 64, 16
     with torch_threads(1):
-        train_dl, val_dl, num_classes = fast_loaders("CIFAR10", root, img_size, batch, info())
-        fast_acc, fast_losses = train_and_evaluate(train_dl, val_dl, num_classes)
+        train_set, val_dl, num_classes = fast_loaders("CIFAR10", root, img_size, batch, info())
+        fast_acc, fast_losses = train_and_evaluate(train_set.loader(), val_dl, num_classes)
         data = build_datasets("CIFAR10", root, img_size, info())
         classic_acc, classic_losses = train_and_evaluate(
             train_loader(data.train, batch, 0, info(), seed=0),
@@ -288,7 +299,9 @@ def test_benchmark_cli_input_paths_only(capsys, tmp_path):
 def test_cuda_batches_on_the_gpu_without_host_syncs(cifar_root):
     device = torch.device("cuda")
     cuda_info = DistInfo(device=device)
-    train, val, _ = fast_loaders("CIFAR10", cifar_root, 227, 8, cuda_info, seed=1)
+    train_set, val, _ = fast_loaders("CIFAR10", cifar_root, 227, 8, cuda_info)
+    order = one_process_sampler(len(train_set), 1)
+    train = train_set.loader(order)
     _, val_cpu, _ = fast_loaders("CIFAR10", cifar_root, 227, 8, info())
     assert train.images.device.type == "cuda" and not train.resize_uint8
     x, y = next(iter(val))
@@ -296,7 +309,7 @@ def test_cuda_batches_on_the_gpu_without_host_syncs(cifar_root):
     assert x.device.type == "cuda" and y.device.type == "cuda"
     assert torch.equal(y.cpu(), y_cpu)
     assert (x.cpu() - x_cpu).abs().max() <= 1.5 * UINT8_STEP  # float resize on the GPU
-    train.sampler.set_epoch(1)
+    order.set_epoch(1)
     batches = iter(train)
     sizes = [next(batches)[0].shape[0]]  # the epoch's set-up: permutation, flips
     torch.cuda.synchronize()

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from alexnet import AlexNet, alexnet
-from ampkit.engine import Parts, Variant
+from ampkit.engine import Parts, Technique
+from ampkit.models import AutocastForward
 from conftest import as_a_dataparallel_replica
 from ampkit.precision import resolve_amp_dtype
 from ampkit.machinery.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
@@ -69,7 +70,7 @@ def recording(model: nn.Module):
 
 
 def build(variant: str, model: nn.Module, dp_scope: str = "model",
-          amp_dtype: str | None = None) -> Variant:
+          amp_dtype: str | None = None) -> Technique:
     """The variant's objects, as its training script's build() makes them."""
     parts = Parts(CPU, model, nn.CrossEntropyLoss(), amp_dtype, dp_scope, lr=0.0)
     return importlib.import_module(variant).build(parts)
@@ -88,20 +89,20 @@ def test_cpu_default_amp_dtype_is_bfloat16():
 def test_variant_forward_dtype(variant, model, images, gloo_group):
     parallel, precision = TRAIN_VARIANTS[variant]
     want = torch.float32 if precision == "fp32" else torch.bfloat16
-    try:
-        v = build(variant, model)
-        expected_wrapper = {"single": AlexNet, "dp": nn.DataParallel,
-                            "ddp": nn.parallel.DistributedDataParallel}[parallel]
-        assert type(v.model) is expected_wrapper
-        assert v.precision == precision and v.amp_dtype == (None if precision == "fp32" else want)
-        assert (v.scaler is not None) == (precision == "grad_scaler")
-        # The DataParallel autocast scripts set the model's own dtype (for its replica
-        # threads); the others leave the precision to their visible autocast.
-        assert model.amp_dtype == (want if parallel == "dp" and precision != "fp32" else None)
-        with torch.no_grad(), recording(model) as seen, v.autocast or contextlib.nullcontext():
-            out = v.model(images)
-    finally:
-        model.amp_dtype = None
+    v = build(variant, model)
+    expected_wrapper = {"single": AlexNet, "dp": nn.DataParallel,
+                        "ddp": nn.parallel.DistributedDataParallel}[parallel]
+    assert type(v.model) is expected_wrapper
+    assert v.precision == precision and v.compute_dtype == (None if precision == "fp32" else want)
+    assert (v.scaler is not None) == (precision == "grad_scaler")
+    assert v.optimizer.param_groups[0]["params"][0] is next(model.parameters())
+    # The DataParallel autocast scripts wrap what is replicated, so that it re-enters autocast
+    # in the replica threads; the others leave the precision to their visible autocast.
+    replicated = v.model.module if parallel == "dp" else None
+    assert isinstance(replicated, AutocastForward) == (parallel == "dp" and precision != "fp32")
+    assert model.amp_dtype is None  # AlexNet's own re-entry is left alone
+    with torch.no_grad(), recording(model) as seen, v.autocast or contextlib.nullcontext():
+        out = v.model(images)
     assert out.shape == (2, 3)
     assert seen == {"conv1": want, "fc2": want}, variant
     assert out.dtype == want, variant
@@ -160,25 +161,27 @@ def test_dtype_in_a_worker_thread_under_callers_autocast(model, images):
     assert results["alexnet"] == torch.bfloat16
 
 
-def test_dp_features_scope_replicas_keep_the_run_dtype(images):
-    """--dp_scope features replicates model.features alone: DataParallel's workers then call
-    that block (not AlexNet.forward) under ``autocast(device_type, enabled=True)``, which
-    takes the thread's default dtype, not the caller's. The block must still use the run's
-    dtype. float16 on the CPU, where the default is bfloat16, makes the difference visible."""
+@pytest.mark.parametrize("arch", ["alexnet", "vgg11", "mobilenet_v3_small"])
+@pytest.mark.parametrize("dp_scope", ["model", "features"])
+def test_what_dataparallel_replicates_keeps_the_run_dtype(arch, dp_scope):
+    """DataParallel's workers call what it replicates -- the model, or model.features alone
+    with --dp_scope features -- under ``autocast(device_type, enabled=True)``, which takes
+    the thread's default dtype, not the caller's. Whatever is replicated must still compute
+    in the run's dtype, for any --arch with a features block. float16 on the CPU, where the
+    default is bfloat16, makes the difference visible."""
+    from ampkit.models import build_model
+
     torch.manual_seed(0)
-    model = build("train_DP_autocast", alexnet(num_classes=3).eval(), dp_scope="features",
-                  amp_dtype="float16").model
-    assert isinstance(model.features, nn.DataParallel)
-    replica = model.features.module
-    assert replica.amp_dtype is torch.float16
-    default, out = as_a_dataparallel_replica(replica, images, torch.float16)
+    net = build_model(arch, 3).eval()
+    model = build("train_DP_autocast", net, dp_scope=dp_scope, amp_dtype="float16").model
+    dp = model.features if dp_scope == "features" else model
+    assert isinstance(dp, nn.DataParallel)
+    seen = {}
+    first_conv = next(m for m in net.features.modules() if isinstance(m, nn.Conv2d))
+    first_conv.register_forward_hook(lambda m, i, o: seen.__setitem__("conv", o.dtype))
+    default, _ = as_a_dataparallel_replica(dp.module, torch.randn(2, 3, 64, 64), torch.float16)
     assert default == torch.bfloat16  # control: the thread's own default dtype
-    assert out.dtype == torch.float16
-    with torch.no_grad():
-        assert model(images).dtype == torch.float16
-        model.amp_dtype = None  # reaches the wrapped block too
-        assert model(images).dtype == torch.float32
-        assert replica(images).dtype == torch.float32
+    assert seen["conv"] == torch.float16
 
 
 def test_dataparallel_wrapper_keeps_bf16_without_outer_autocast(model, images):

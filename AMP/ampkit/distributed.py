@@ -1,9 +1,21 @@
-"""Device choice and distributed setup, from torchrun's environment variables.
+"""Devices and the plumbing around a process group; the group itself is the scripts' own.
 
-Under torchrun each process reads RANK / LOCAL_RANK / WORLD_SIZE (and the
-rendezvous address) from its environment; under plain ``python`` a DDP script
-runs as a one-process group on a free local port. With CUDA every process
-owns one GPU (``LOCAL_RANK``) and the backend is NCCL; on the CPU it is gloo.
+A DDP or FSDP2 script joins its process group in plain torch calls::
+
+    rank, local_rank, world_size = torchrun_env()
+    device = process_device(args.cuda, local_rank)
+    torch.cuda.set_device(device)                       # on CUDA
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            store=elastic_store(rank, world_size), timeout=GROUP_TIMEOUT,
+                            device_id=device)           # device_id on CUDA
+    ...
+    dist.destroy_process_group()
+
+This module does what is around those calls: torchrun's environment variables (under plain
+``python``, a group of one on a free local port), the device a process owns
+(``cuda:LOCAL_RANK``, or the CPU), a store that keeps a restarted attempt's keys apart
+from the previous attempt's, and :class:`DistInfo`, what the shared code asks of the group.
+With CUDA the backend is NCCL, on the CPU gloo.
 """
 from __future__ import annotations
 
@@ -12,12 +24,15 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .machinery.errors import UserError
+
+# How long a collective may wait for a peer (a slow rank 0 writing a checkpoint, say).
+GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 @dataclass
@@ -27,6 +42,14 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     distributed: bool = False  # a process group is initialised
+
+    @classmethod
+    def of(cls, device: torch.device) -> "DistInfo":
+        """This process in the group it joined (a process of its own without one)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(device=device)
+        return cls(device=device, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")), distributed=True)
 
     @property
     def is_main(self) -> bool:
@@ -94,72 +117,54 @@ def want_cuda(flag: Optional[bool]) -> bool:
     return flag
 
 
+def single_process_device(cuda_flag: Optional[bool]) -> torch.device:
+    """The device of a script that runs in one process (one device, or DataParallel)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun started N copies of a single-process script: each would train the same
+        # model on the same data and write the same files.
+        raise UserError(f"this script runs in one process (one device or DataParallel), but "
+                        f"torchrun started {os.environ['WORLD_SIZE']} (WORLD_SIZE): run it with "
+                        "python, or use a DDP or FSDP script (train_DDP*, train_FSDP*, "
+                        "eval_DDP) under torchrun")
+    return torch.device("cuda" if want_cuda(cuda_flag) else "cpu")
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def setup(ddp: bool, cuda_flag: Optional[bool]) -> DistInfo:
-    """Pick the device; for DDP scripts also join (or create) the process group."""
-    if not ddp and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # torchrun started N copies of a single-process script: each would train the same
-        # model on the same data and write the same files.
-        raise UserError(f"this script runs in one process (one device or DataParallel), but "
-                        f"torchrun started {os.environ['WORLD_SIZE']} (WORLD_SIZE): run it with "
-                        "python, or use a *_DDP script under torchrun")
-    use_cuda = want_cuda(cuda_flag)
-    if not ddp:
-        return DistInfo(device=torch.device("cuda" if use_cuda else "cpu"))
-
-    if "RANK" not in os.environ:  # plain `python AMP/train_DDP.py`: a group of one
+def torchrun_env() -> Tuple[int, int, int]:
+    """``(RANK, LOCAL_RANK, WORLD_SIZE)`` as torchrun sets them. Started by plain ``python``,
+    the process is a group of one, rendezvousing on a free local port."""
+    if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = int(os.environ["WORLD_SIZE"])
-
-    if use_cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} "
-                            "GPU(s) are visible: start at most one process per GPU")
-        # Before anything touches the GPU, or every rank would allocate on GPU 0.
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-    _init_process_group(backend, rank, world_size, datetime.timedelta(minutes=30),
-                        device if use_cuda else None)
-    return DistInfo(device=device, rank=rank, world_size=world_size,
-                    local_rank=local_rank, distributed=True)
+    return (int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")),
+            int(os.environ["WORLD_SIZE"]))
 
 
-def _init_process_group(backend: str, rank: int, world_size: int,
-                        timeout: datetime.timedelta, device: Optional[torch.device]) -> None:
-    # device_id binds the process to its GPU: NCCL connects eagerly, and warns without it.
-    kw = {"device_id": device} if device is not None else {}
+def process_device(cuda_flag: Optional[bool], local_rank: int) -> torch.device:
+    """The device this process of a group owns: ``cuda:LOCAL_RANK``, or the CPU."""
+    if not want_cuda(cuda_flag):
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} "
+                        "GPU(s) are visible: start at most one process per GPU")
+    return torch.device("cuda", local_rank)
+
+
+def elastic_store(rank: int, world_size: int) -> Optional[dist.Store]:
+    """The store for ``init_process_group``: None on a first attempt (``env://``, torchrun's
+    rendezvous). After a torchrun restart (``--max-restarts``) the agent's store still holds
+    the previous attempt's keys, and a new rank can read a dead peer's address from them
+    before its new peer overwrites it (gloo: "connectFullMesh failed ... Connection
+    refused"): each attempt's keys are kept apart by a prefix."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart == 0:
-        dist.init_process_group(backend=backend, timeout=timeout, **kw)  # env:// from torchrun
-        return
-    # After a torchrun restart the agent's store still holds the previous attempt's
-    # keys, and a new rank can read a dead peer's address from them before its new
-    # peer overwrites it (gloo: "connectFullMesh failed ... Connection refused").
-    # Keep each attempt's keys apart with a prefix.
+        return None
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=not agent_store and rank == 0, timeout=timeout)
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"attempt_{restart}", store),
-                            rank=rank, world_size=world_size, timeout=timeout, **kw)
-
-
-def cleanup(info: DistInfo, finished: bool = False) -> None:
-    """Leave the process group. ``finished`` (every rank got to the end): first wait for all
-    ranks, so none tears its connections down while a peer still uses them. Not after a
-    failure, when a peer may be gone."""
-    if info.distributed and dist.is_initialized():
-        if finished:
-            info.barrier()
-        dist.destroy_process_group()
+                          is_master=not agent_store and rank == 0, timeout=GROUP_TIMEOUT)
+    return dist.PrefixStore(f"attempt_{restart}", store)

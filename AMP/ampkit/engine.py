@@ -1,8 +1,8 @@
 """The epoch loop around a script's training step, and the accuracy count.
 
-A train script's ``build(parts: Parts) -> Variant`` makes its variant: the wrapper, the
-precision objects and the step -- forward under autocast, backward (scaled or not),
-optimizer step. ``train_one_epoch`` runs that step and does the bookkeeping around it.
+A train script's ``build(parts: Parts) -> Technique`` makes its variant: the wrapper, the
+optimizer, the precision objects and the step -- forward under autocast, backward (scaled
+or not), optimizer step. ``train_one_epoch`` runs that step and does the bookkeeping around it.
 It never syncs the host per step: loss sums and counters stay on the device and are
 read every ``log_every`` steps and at the end of the epoch.
 """
@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Callable, ContextManager, Iterable, Optional
+from typing import Callable, ContextManager, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -31,31 +30,24 @@ class Parts:
     device: torch.device
     model: nn.Module             # the bare network, on ``device`` (resumed weights loaded)
     criterion: nn.Module
-    amp_dtype_flag: Optional[str] = None  # --amp_dtype
+    # The autocast dtype: --amp_dtype (a name or a dtype); None: float16 on CUDA, bfloat16 on
+    # the CPU. Resolved to a torch.dtype when Parts is made.
+    amp_dtype: Union[torch.dtype, str, None] = None
     dp_scope: str = "model"               # --dp_scope (DataParallel scripts)
-    lr: float = 1e-4
+    lr: float = 1e-4                      # --lr, for the script's optimizer
     arch: str = "alexnet"                 # --arch: the network's name, for messages
 
-    @cached_property
-    def amp_dtype(self) -> torch.dtype:
-        """The autocast dtype: --amp_dtype, else float16 on CUDA and bfloat16 on the CPU."""
-        return resolve_amp_dtype(self.amp_dtype_flag, self.device)
-
-    @cached_property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the model's parameters, made when first asked for: an FSDP2 script asks
-        after sharding, so that it holds this process's shards. fused: one kernel for all
-        parameters (on the CPU too: several times faster than the default there); with a
-        GradScaler it also takes the inf/NaN flag on the device, so scaler.step() does not
-        sync the host (it does otherwise)."""
-        return torch.optim.AdamW(self.model.parameters(), lr=self.lr, fused=True)
+    def __post_init__(self) -> None:
+        if not isinstance(self.amp_dtype, torch.dtype):
+            self.amp_dtype = resolve_amp_dtype(self.amp_dtype, self.device)
 
 
 @dataclass
-class Variant:
-    """What a script's ``build()`` returns: its model and step, and the precision objects
-    that checkpoints, validation and the logs need to know about."""
+class Technique:
+    """What a script's ``build()`` returns: the objects that make its variant, which the
+    shared code runs, checkpoints and logs."""
     model: nn.Module                           # as wrapped by the script (DP, DDP, FSDP2)
+    optimizer: torch.optim.Optimizer           # made by the script, over what it trains
     step: Step                                 # one optimizer step on (images, targets) -> loss
     autocast: Optional[torch.autocast] = None  # validation runs under it too
     scaler: Optional[torch.amp.GradScaler] = None
@@ -70,7 +62,8 @@ class Variant:
         return "autocast" if self.autocast is not None else "fp32"
 
     @property
-    def amp_dtype(self) -> Optional[torch.dtype]:
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the matmuls and convolutions run in; None: float32."""
         if self.param_dtype is not None:
             return self.param_dtype
         return self.autocast.fast_dtype if self.autocast is not None else None
@@ -146,10 +139,11 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
                     input_format: torch.memory_format = torch.preserve_format,
                     profiler=None) -> EpochStats:
     """Run ``step_fn`` on every batch of ``loader``. ``max_nonfinite=None``: no divergence
-    check (a GradScaler skips the bad steps instead); ``skipped`` counts those skips;
-    ``profiler`` (a ``measure.StepProfiler``) records some of the steps."""
+    check (a GradScaler skips the bad steps instead); ``skipped`` counts those skips, this
+    call's own; ``profiler`` (a ``machinery.profiler.StepProfiler``) records some steps."""
     device = info.device
     tally, skipped = Tally(device), skipped or SkippedSteps(None, device)
+    skipped.count.zero_()  # this call's skips; the scaler's last scale carries over
     synchronize(device)
     t0 = time.perf_counter()
     step, steps_done, stopped_at, data_seconds = start_step, 0, None, 0.0

@@ -1,12 +1,13 @@
-"""The eval driver every eval script shares: ``Evaluation(...)``, ``count_correct``, ``report``.
+"""The eval driver every eval script shares: ``Evaluation(args, device)``, ``count_correct``,
+``report``.
 
-``Evaluation.__init__`` reads the flags, sets up the device (and, for eval_DDP, the
-process group from torchrun's environment), loads the checkpoint on the CPU, builds
-the test split -- by default the data set, root and image size the checkpoint was
+``Evaluation`` takes the script's flags and device (a one-process script's own; eval_DDP's
+``cuda:LOCAL_RANK`` in the process group it joined), loads the checkpoint on the CPU,
+builds the test split -- by default the data set, root and image size the checkpoint was
 trained with -- and the checkpoint's network (``--arch``) with its weights, on the device.
-The script decides how the model runs (bare, ``nn.DataParallel``) and which test
-images this process counts (all of them, or its DDP shard); ``count_correct`` counts,
-``report`` prints the one result line.
+The script decides how the model runs (bare, ``nn.DataParallel``) and which test images
+this process counts (all of them, or its shard); ``count_correct`` counts, ``report``
+prints the one result line.
 """
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .machinery import checkpoint as ckpt_io
-from .machinery.config import DATA_DIR, check_arch_flags, parse_eval_args
-from .machinery.data import build_loaders, take_skipped
-from .distributed import cleanup, setup
+from .distributed import DistInfo, single_process_device
 from .engine import count_correct
+from .machinery import checkpoint as ckpt_io
+from .machinery.config import DATA_DIR, check_arch_flags
+from .machinery.data import build_loaders, take_skipped
 from .machinery.errors import UserError
 from .models import DEFAULT_ARCH, autocast_in_replicas, build_model
 from .precision import resolve_amp_dtype
@@ -31,16 +32,10 @@ from .precision import resolve_amp_dtype
 class Evaluation:
     """Set-up, counting and the result line of one eval script (see the module docstring)."""
 
-    def __init__(self, name: str, argv: Optional[Sequence[str]] = None, *,
-                 ddp: bool = False) -> None:
-        self.name = name
-        self.args = parse_eval_args(name, ddp=ddp, argv=argv)
-        self.info = setup(ddp, self.args.cuda)
-        try:
-            self._set_up()
-        except BaseException:
-            cleanup(self.info)
-            raise
+    def __init__(self, args, device: Optional[torch.device] = None) -> None:
+        self.name, self.args = args.variant, args
+        self.info = DistInfo.of(device or single_process_device(args.cuda))
+        self._set_up()
 
     def _set_up(self) -> None:
         args, device = self.args, self.info.device
@@ -62,18 +57,19 @@ class Evaluation:
                              skip_bad=args.skip_bad_images)
         self.data = data
         self.loader, self.test_size = data.val, data.val_size
-        self.amp_dtype = resolve_amp_dtype(args.amp_dtype, device) if args.autocast else None
+        self.autocast_dtype = (resolve_amp_dtype(args.amp_dtype, device) if args.autocast
+                               else None)
         model = build_model(self.arch, data.num_classes)
         ckpt_io.load_weights(model, state, self.path)
         del state
-        if self.amp_dtype is not None:
+        if self.autocast_dtype is not None:
             # The forward re-enters autocast with this dtype itself, for DataParallel's replica
             # threads, which do not inherit the caller's dtype.
-            model = autocast_in_replicas(model, self.amp_dtype)
+            model = autocast_in_replicas(model, self.autocast_dtype)
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
         self.model = model.to(device, memory_format=self.input_format)
-        self.autocast = (torch.autocast(device.type, dtype=self.amp_dtype) if self.amp_dtype
-                         else contextlib.nullcontext())
+        self.autocast = (torch.autocast(device.type, dtype=self.autocast_dtype)
+                         if self.autocast_dtype else contextlib.nullcontext())
 
     def _say_what_it_was_trained_on(self, trained: dict, root: Path) -> None:
         """The checkpoint, the data it was trained on, and one warning line if it differs."""
@@ -103,18 +99,19 @@ class Evaluation:
                              input_format=self.input_format)
 
     def report(self, correct: int, total: int) -> float:
-        """Print the result line (global rank 0), release the process group; the accuracy."""
+        """Print the result line (global rank 0); the accuracy. Then all ranks wait for each
+        other, so that none leaves the group while a peer still uses it."""
         if total == 0:
             raise UserError(f"{self.name}: no readable test image to evaluate")
         acc = correct / total
-        skipped = self.info.gather(take_skipped(self.data))
+        skipped = self.info.gather(take_skipped(self.data.val))
         if skipped and self.info.is_main:
             print(f"skipped {len(skipped)} unreadable image(s) (--skip_bad_images): "
                   + "; ".join(str(u) for u in skipped[:5]), flush=True)
         if self.info.is_main:
             print(f"top-1 accuracy on {self.dataset} test split ({self.img_size}px"
-                  f"{', autocast ' + str(self.amp_dtype)[6:] if self.amp_dtype else ''}"
+                  f"{', autocast ' + str(self.autocast_dtype)[6:] if self.autocast_dtype else ''}"
                   f"{f', {self.info.world_size} processes' if self.info.world_size > 1 else ''}"
                   f"): {correct}/{total} = {acc:.4f}", flush=True)
-        cleanup(self.info, finished=True)
+        self.info.barrier()
         return acc

@@ -1,13 +1,13 @@
 """Which network a run trains: ``--arch``, any torchvision classifier by its builder name.
 
-- ``alexnet`` (the default) is the project's AlexNet (``AMP/alexnet.py``), whose forward
-  re-enters autocast itself; any other name is torchvision's model, built by
-  ``torchvision.models.get_model``; ``--pretrained`` takes torchvision's default weights
-  and, for another number of classes, a new last layer.
+- ``alexnet`` (the default) is the article's AlexNet (``AMP/alexnet.py``); any other name
+  is torchvision's model, built by ``torchvision.models.get_model``; ``--pretrained`` takes
+  torchvision's default weights and, for another number of classes, a new last layer.
 - ``check_input_size`` runs the model once on the meta device (no memory, no time), so an
   image size the model cannot take is one line before anything is trained.
-- ``autocast_in_replicas``: a model whose forward re-enters autocast with the run's
-  dtype, for ``nn.DataParallel``, whose replica threads do not inherit it.
+- ``autocast_in_replicas``: what ``nn.DataParallel`` replicates (the model, or its
+  ``features`` block), made to re-enter autocast with the run's dtype in the replica
+  threads, which do not inherit it.
 - ``shard_units``: the blocks FSDP2 shards one by one.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torchvision
 from torch import nn
 
-from alexnet import AlexNet, alexnet, autocast_forward
+from alexnet import alexnet, autocast_forward
 
 from .machinery.errors import UserError
 
@@ -106,30 +106,38 @@ def _meta_forward_problem(arch: str, img_size: int) -> Optional[str]:
 
 
 class AutocastForward(nn.Module):
-    """``module`` whose forward runs under ``torch.autocast(input.device.type, amp_dtype)``.
+    """``module`` whose forward runs under ``torch.autocast(input.device.type, dtype)``, in
+    whatever thread calls it (the article's ``@autocast()`` on AlexNet's forward, for any
+    module). Its state dict keys carry a ``module.`` prefix, which checkpoints strip like
+    DataParallel's."""
 
-    What AlexNet does in its own forward (``AMP/alexnet.py``), for any model. Its state
-    dict keys carry a ``module.`` prefix, which checkpoints strip like DataParallel's.
-    """
-
-    def __init__(self, module: nn.Module, amp_dtype: Optional[torch.dtype]) -> None:
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         self.module = module
-        self.amp_dtype = amp_dtype  # a plain attribute: DataParallel's replicas copy it
+        self.amp_dtype = dtype  # a plain attribute: DataParallel's replicas copy it
 
-    @autocast_forward
+    @autocast_forward  # reads self.amp_dtype
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x)
 
 
-def autocast_in_replicas(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A model whose forward re-enters autocast with ``dtype`` in whatever thread runs it:
-    AlexNet sets its own ``amp_dtype`` (its ``features`` block too, for --dp_scope
-    features); any other model is wrapped in :class:`AutocastForward`."""
-    if isinstance(model, AlexNet):
-        model.amp_dtype = dtype
-        return model
-    return AutocastForward(model, dtype)
+def autocast_in_replicas(module: nn.Module, dtype: torch.dtype) -> AutocastForward:
+    """What ``nn.DataParallel`` is about to replicate -- a whole model, or a block such as
+    ``model.features`` -- made to compute in ``dtype`` in every replica thread.
+
+    Why: DataParallel runs each replica in a thread of its own, and autocast's state is
+    per thread. The threads re-enter autocast with the caller's on/off flag but their own
+    default dtype (float16 on CUDA), so a bfloat16 run would silently compute in float16
+    there. Wrap what is replicated, whatever it is, and every replica re-enters autocast
+    with the run's dtype itself."""
+    return AutocastForward(module, dtype)
+
+
+def check_dp_scope(model: nn.Module, dp_scope: str, arch: str) -> None:
+    """``--dp_scope features`` needs a ``features`` block to replicate: one line if not."""
+    if dp_scope == "features" and not isinstance(getattr(model, "features", None), nn.Module):
+        raise UserError(f"--dp_scope features: --arch {arch} has no .features block "
+                        "(alexnet, vgg, densenet, mobilenet, efficientnet ... have one)")
 
 
 def check_param_dtype_fits(model: nn.Module, arch: str) -> None:

@@ -40,21 +40,48 @@ def cpu_has_fast_bf16() -> Optional[bool]:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def slow_bf16(dtype: Optional[torch.dtype], device: torch.device) -> Optional[str]:
+    """A warning when a run computes in bfloat16 on a CPU without native bfloat16."""
+    if dtype is torch.bfloat16 and device.type == "cpu" and cpu_has_fast_bf16() is False:
+        return ("this CPU has no native bfloat16 (AVX512-BF16/AMX): CPU autocast will be "
+                "several times slower than fp32 here")
+    return None
+
+
 def set_tf32(enabled: Optional[bool]) -> str:
     """Apply --tf32 / --no-tf32 to CUDA's fp32 convolutions and matmuls; None keeps PyTorch's
     defaults. Returns what fp32 math then is, for labels: on Ampere and newer GPUs TF32
     (10-bit mantissa) is several times faster than fp32, so an "fp32" baseline is only
-    fp32 where it says so."""
+    fp32 where it says so.
+
+    Convolutions take cuDNN's ``fp32_precision`` (torch >= 2.9; the legacy ``allow_tf32``
+    flags warn there). Matmuls take ``torch.set_float32_matmul_precision``, not
+    ``torch.backends.cuda.matmul.fp32_precision``: after the latter, reading the matmul
+    precision (``torch.get_float32_matmul_precision()``, as inductor's autotuning cache
+    does under --compile) raises on torch 2.14, the former keeps every reading consistent."""
     if enabled is not None:
-        mode = "tf32" if enabled else "ieee"
         conv = getattr(torch.backends.cudnn, "conv", None)
-        if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9: the new API
-            conv.fp32_precision = mode  # (mixing it with the old flags is an error)
-            torch.backends.cuda.matmul.fp32_precision = mode
+        if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9
+            conv.fp32_precision = "tf32" if enabled else "ieee"
         else:
             torch.backends.cudnn.allow_tf32 = enabled
-            torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
     return {True: "tf32", False: "fp32"}.get(enabled, "tf32 conv, fp32 matmul")
+
+
+def compile_in_place(model: torch.nn.Module) -> None:
+    """``model.compile()`` (in place: the script's step calls the compiled model), with the
+    compiled backward outside autocast, where this project's loops run the backward. By
+    default a compiled backward runs under the forward's autocast state, which torch's AMP
+    notes warn against for code that, like ours, calls backward() outside autocast."""
+    from torch._functorch import config as functorch_config
+
+    if isinstance(model, torch.nn.DataParallel):
+        raise UserError("--compile is supported for single-device, DDP and FSDP2 runs, not "
+                        "DataParallel")
+    if hasattr(functorch_config, "backward_pass_autocast"):  # not in every torch release
+        functorch_config.backward_pass_autocast = "off"
+    model.compile()
 
 
 class SkippedSteps:

@@ -412,6 +412,15 @@ def prepare_run_dir(path: Path) -> Path:
     return path
 
 
+def claim_run_dir(path: Path) -> "RunLock":
+    """Make ``path`` this run's folder: created and writable, locked against a second run,
+    and rid of the temporary files a killed save left (no live run owns them now)."""
+    prepare_run_dir(path)
+    lock = RunLock(path)
+    remove_stale_temps(path)
+    return lock
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else type(e).__name__

@@ -34,7 +34,7 @@ def _formatter(prog):
     return argparse.ArgumentDefaultsHelpFormatter(prog, max_help_position=32)
 
 
-def _add_common(p: argparse.ArgumentParser, *, ddp: bool, for_eval: bool) -> None:
+def _add_common(p: argparse.ArgumentParser, *, process_group: bool, for_eval: bool) -> None:
     from_ckpt = " (default: as the checkpoint was trained)" if for_eval else ""
     p.add_argument("--dataset", choices=DATASETS, default=None if for_eval else "CIFAR10",
                    help="CIFAR10 (downloaded into --dataset_root), ImageFolder (a root with "
@@ -50,7 +50,8 @@ def _add_common(p: argparse.ArgumentParser, *, ddp: bool, for_eval: bool) -> Non
                         + from_ckpt)
     p.add_argument("--batch_size", type=int, default=64,
                    help="batch size " + ("PER PROCESS (the global batch is batch_size x world size)"
-                                         if ddp else "(split across GPUs by DataParallel)"))
+                                         if process_group
+                                         else "(split across GPUs by DataParallel)"))
     p.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
                    help="train on CUDA (--no-cuda: on the CPU). Default: CUDA when available; "
                         "--cuda without CUDA is an error")
@@ -90,10 +91,18 @@ def parse_interval(text: str) -> tuple:
     return (None, int(text[:-1]) * unit) if unit else (int(text), None)
 
 
-def train_parser(variant: str, ddp: bool) -> Parser:
-    p = Parser(prog=f"{variant}.py", description=f"Train AlexNet, or any --arch ({variant}).",
-               formatter_class=_formatter)
-    _add_common(p, ddp=ddp, for_eval=False)
+def _description(doc: Optional[str], default: str) -> str:
+    """A script's --help description: the first line of its docstring."""
+    return (doc or "").strip().splitlines()[0] if (doc or "").strip() else default
+
+
+def train_parser(variant: str, process_group: bool = False, doc: Optional[str] = None) -> Parser:
+    """The flags of a train script; ``process_group``: one of a group's processes (DDP, FSDP2),
+    whose --batch_size is per process."""
+    p = Parser(prog=f"{variant}.py", formatter_class=_formatter,
+               description=_description(doc, f"Train AlexNet, or any --arch ({variant})."))
+    p.set_defaults(variant=variant)
+    _add_common(p, process_group=process_group, for_eval=False)
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
                    help="log to TensorBoard")
     p.add_argument("--tensorboard_log", type=Path, default=TENSORBOARD_DIR,
@@ -138,10 +147,11 @@ def train_parser(variant: str, ddp: bool) -> Parser:
     return p
 
 
-def eval_parser(variant: str, ddp: bool) -> Parser:
-    p = Parser(prog=f"{variant}.py", description=f"Evaluate a checkpoint ({variant}).",
-               formatter_class=_formatter)
-    _add_common(p, ddp=ddp, for_eval=True)
+def eval_parser(variant: str, process_group: bool = False, doc: Optional[str] = None) -> Parser:
+    p = Parser(prog=f"{variant}.py", formatter_class=_formatter,
+               description=_description(doc, f"Evaluate a checkpoint ({variant})."))
+    p.set_defaults(variant=variant)
+    _add_common(p, process_group=process_group, for_eval=True)
     p.add_argument("--checkpoint", type=Path, default=CHECKPOINT_DIR,
                    help="a checkpoint file, or a folder: its newest last.pth is evaluated")
     p.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=False,
@@ -173,11 +183,14 @@ def check_arch_flags(arch: Optional[str], img_size: Optional[int]) -> None:
             check_input_size(arch, img_size)
 
 
-def parse_train_args(variant: str, ddp: bool,
-                     argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Optional[str] = None,
+                     process_group: bool = False) -> argparse.Namespace:
+    """A train script's flags (``argv``: sys.argv's by default), checked; ``args.variant`` is
+    the script's name."""
     from .errors import UserError
 
-    args = train_parser(variant, ddp).parse_args(sys.argv[1:] if argv is None else argv)
+    args = train_parser(variant, process_group, doc).parse_args(
+        sys.argv[1:] if argv is None else argv)
     _check_common(args)
     if args.epochs <= 0:
         raise UserError(f"--epochs must be a positive integer, got {args.epochs}")
@@ -191,9 +204,10 @@ def parse_train_args(variant: str, ddp: bool,
     return args
 
 
-def parse_eval_args(variant: str, ddp: bool,
-                    argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    args = eval_parser(variant, ddp).parse_args(sys.argv[1:] if argv is None else argv)
+def parse_eval_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Optional[str] = None,
+                    process_group: bool = False) -> argparse.Namespace:
+    args = eval_parser(variant, process_group, doc).parse_args(
+        sys.argv[1:] if argv is None else argv)
     _check_common(args)
     return args
 

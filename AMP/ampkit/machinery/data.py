@@ -1,9 +1,11 @@
 """The training and validation loaders: the fast device path or the classic DataLoader.
 
 ``build_loaders`` picks the path (``--loader auto``: fast for the data sets held in
-memory, CIFAR10 and FakeData; classic for ImageFolder). Both yield (images, targets)
-batches in the same order for the same seed and epoch, and both expose ``.sampler``:
-``set_epoch`` and ``start_index`` for training (:class:`ResumableDistributedSampler`),
+memory, CIFAR10 and FakeData; classic for ImageFolder) and makes the validation loader;
+``Loaders.train_loader(sampler)`` makes the training loader in the order of a sampler --
+the DDP script's ``DistributedSampler``, or one process's (``one_process_sampler``). Both
+paths yield (images, targets) batches in the same order for the same sampler, and both
+expose ``.sampler``: a :class:`ResumableSampler` (``start_index``) for training,
 replaceable ``indices`` for validation (:class:`IndexSampler`, this rank's shard).
 
 The classic path is torchvision's: a DataLoader with PIL transforms in ``--num_workers``
@@ -15,13 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional, Sized
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .datasets import (BadImage, IndexSampler, Unreadable, build_datasets, collate_readable,
-                       train_sampler)
+from .datasets import (BadImage, IndexSampler, ResumableSampler, Unreadable, build_datasets,
+                       collate_readable, one_process_sampler)
 from ..distributed import DistInfo
 from .errors import UserError
 from .fastdata import fast_loaders, fits_in_memory
@@ -66,9 +68,11 @@ def _loader(dataset: Dataset, batch_size: int, sampler: Sampler, num_workers: in
 
 
 def train_loader(dataset: Dataset, batch_size: int, num_workers: int, info: DistInfo,
-                 seed: int, skip_bad: bool = False) -> CheckedLoader:
-    return _loader(dataset, batch_size, train_sampler(len(dataset), info, seed), num_workers,
-                   info.device, skip_bad)
+                 sampler: Optional[Sampler[int]] = None, seed: int = 0,
+                 skip_bad: bool = False) -> CheckedLoader:
+    """Batches in ``sampler``'s order (None: one process's, seeded by ``seed``)."""
+    sampler = ResumableSampler(sampler or one_process_sampler(len(dataset), seed))
+    return _loader(dataset, batch_size, sampler, num_workers, info.device, skip_bad)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, info: DistInfo,
@@ -79,46 +83,62 @@ def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, info: DistI
 
 @dataclass
 class Loaders:
-    train: Optional[Iterable]  # None for eval
+    train_set: Optional[Sized]  # what the training sampler draws from; None for eval
     val: Iterable
     num_classes: int
     train_size: int
     val_size: int
     kind: str                  # "fast" or "classic"
+    make_train: Optional[Callable[[Sampler[int]], Iterable]] = None
+
+    def train_loader(self, sampler: Sampler[int]) -> Iterable:
+        """The training batches, in ``sampler``'s order; ``.sampler.start_index`` resumes."""
+        return self.make_train(sampler)
 
 
 def build_loaders(name: str, root: Path, img_size: int, batch_size: int, info: DistInfo, *,
-                  loader: str = "auto", num_workers: Optional[int] = None, seed: int = 0,
+                  loader: str = "auto", num_workers: Optional[int] = None,
                   channels_last: bool = False, train: bool = True,
                   skip_bad: bool = False) -> Loaders:
-    """The training (unless ``train=False``) and validation loaders, fast or classic path."""
+    """The validation loader and (unless ``train=False``) the training set, fast or classic."""
     kind = ("fast" if fits_in_memory(name) else "classic") if loader == "auto" else loader
     if kind == "fast":
-        train_dl, val_dl, num_classes = fast_loaders(name, root, img_size, batch_size, info,
-                                                     seed=seed, channels_last=channels_last,
-                                                     train=train)
-        sizes = (train_dl.dataset_size if train_dl is not None else 0, val_dl.dataset_size)
+        train_set, val_dl, num_classes = fast_loaders(name, root, img_size, batch_size, info,
+                                                      channels_last=channels_last, train=train)
+        make_train = train_set.loader if train else None
     else:
         data = build_datasets(name, root, img_size, info, train=train)
         workers = default_workers(num_workers, info.device)
-        train_dl = (train_loader(data.train, batch_size, workers, info, seed, skip_bad)
-                    if train else None)
+        train_set, num_classes = data.train, data.num_classes
         val_dl = eval_loader(data.val, batch_size, workers, info, skip_bad)
-        num_classes = data.num_classes
-        sizes = (len(data.train) if train else 0, len(data.val))
+        make_train = (lambda sampler: train_loader(train_set, batch_size, workers, info,
+                                                   sampler, skip_bad=skip_bad))
+    sizes = (len(train_set) if train else 0, val_dl.dataset_size if kind == "fast"
+             else len(val_dl.loader.dataset))
     if (train and sizes[0] == 0) or sizes[1] == 0:
         raise UserError(f"{root}: the data set has no images"
                         + ("" if sizes[1] else " in its validation/test split"))
     if train and num_classes < 2:
         raise UserError(f"{root}: {num_classes} class: a classifier needs at least 2 classes "
                         "(one folder per class under train/ and val/)")
-    return Loaders(train_dl, val_dl, num_classes, sizes[0], sizes[1], kind)
+    return Loaders(train_set, val_dl, num_classes, sizes[0], sizes[1], kind, make_train)
 
 
-def take_skipped(loaders: Loaders) -> List[Unreadable]:
+def take_skipped(*loaders: Iterable) -> List[Unreadable]:
     """The images the loaders left out since the last call (--skip_bad_images)."""
     skipped = []
-    for dl in (loaders.train, loaders.val):
+    for dl in loaders:
         if isinstance(dl, CheckedLoader):
             skipped, dl.skipped = skipped + dl.skipped, []
     return skipped
+
+
+def report_skipped(logger, info: DistInfo, *loaders: Iterable) -> int:
+    """--skip_bad_images: name the images the loaders left out since the last call, on every
+    rank (a collective); how many."""
+    skipped = info.gather(take_skipped(*loaders))
+    if skipped:
+        more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        logger.print(f"skipped {len(skipped)} unreadable image(s) this epoch: "
+                     + "; ".join(str(u) for u in skipped[:5]) + more)
+    return len(skipped)

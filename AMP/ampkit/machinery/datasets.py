@@ -6,14 +6,16 @@
 - ImageFolder: ``<root>/train/<class>/*`` and ``<root>/val/<class>/*``.
 - FakeData: random images, for smoke runs without data.
 
-Training order: a seeded permutation per epoch from ``DistributedSampler`` (one
-replica when not under DDP), so every variant shuffles every epoch, DDP ranks
-see disjoint shares, and a run resumed mid-epoch can skip what it already saw.
+Training order: a seeded permutation per epoch from ``DistributedSampler`` (the DDP and
+FSDP2 scripts make theirs; one replica for the others), so every variant shuffles every
+epoch, DDP ranks see disjoint shares, and a run resumed mid-epoch skips what it already
+saw (:class:`ResumableSampler`).
 Validation: each rank takes every world_size-th sample, without padding, so the
 reduced counts are exact for any world size.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 from dataclasses import dataclass
@@ -215,22 +217,41 @@ def build_datasets(name: str, root: Path, img_size: int, info: DistInfo,
     raise UserError(f"unknown --dataset {name!r}")
 
 
-class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler whose epoch can start part-way (``start_index``), for resuming."""
+class ResumableSampler(Sampler[int]):
+    """A training sampler (the script's ``DistributedSampler``) from ``start_index`` of its
+    epoch on: a run resumed mid-epoch skips what it trained on before it stopped. The epoch
+    is the sampler's own (``set_epoch`` is the script's, or the trainer's for a
+    one-process script)."""
 
-    start_index = 0
+    def __init__(self, sampler: Sampler[int]) -> None:
+        self.sampler = sampler
+        self.start_index = 0
+
+    @property
+    def epoch(self) -> int:
+        return getattr(self.sampler, "epoch", 0)
+
+    @property
+    def num_samples(self) -> int:
+        """This rank's samples in a whole epoch."""
+        return len(self.sampler)
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        return iter(indices[self.start_index:])
+        return itertools.islice(iter(self.sampler), self.start_index, None)
 
     def __len__(self) -> int:
-        return self.num_samples - self.start_index
+        return len(self.sampler) - self.start_index
 
 
-def train_sampler(size: int, info: DistInfo, seed: int) -> ResumableDistributedSampler:
-    return ResumableDistributedSampler(range(size), num_replicas=info.world_size,
-                                       rank=info.rank, shuffle=True, seed=seed)
+def one_process_sampler(size: int, seed: int, world_size: int = 1) -> DistributedSampler:
+    """The training order of a script that runs in one process: ``DistributedSampler``'s for
+    one replica, so every variant shuffles the same way for the same seed and epoch.
+    Under a process group of several (``world_size``) that would give every process all of
+    the data: a DDP script makes its own DistributedSampler."""
+    if world_size > 1:
+        raise UserError(f"{world_size} processes need a DistributedSampler, or each would "
+                        "train on all of the data")
+    return DistributedSampler(range(size), num_replicas=1, rank=0, shuffle=True, seed=seed)
 
 
 class IndexSampler(Sampler[int]):

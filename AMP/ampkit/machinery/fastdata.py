@@ -18,11 +18,11 @@ On the CPU the resize runs on uint8 (PyTorch's vectorised antialiased kernel, wh
 rounds like PIL: the same pixels as the classic path to one uint8 step); on CUDA it
 runs in float32 after normalising at the source size.
 
-Sampling is the classic path's, so the two paths agree sample for sample:
-training uses ``ResumableDistributedSampler`` (``DistributedSampler`` semantics:
-a seeded permutation per ``set_epoch``, each rank its share, padded by repeating,
-``start_index`` to resume mid-epoch); evaluation uses ``IndexSampler``
-(``rank::world_size`` by default, no padding).
+Sampling is the classic path's, so the two paths agree sample for sample: training
+takes its order from a sampler (the DDP script's ``DistributedSampler``: a seeded
+permutation per ``set_epoch``, each rank its share, padded by repeating; one process's
+otherwise), wrapped in ``ResumableSampler`` (``start_index`` to resume mid-epoch);
+evaluation uses ``IndexSampler`` (``rank::world_size`` by default, no padding).
 
 Only data sets that fit in memory take this path (CIFAR10, FakeData);
 ImageFolder stays on the classic DataLoader path (``fits_in_memory``).
@@ -37,9 +37,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision
+from torch.utils.data import Sampler, TensorDataset
 
 from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD, IndexSampler,
-                       check_cifar_root, cifar10, train_sampler)
+                       ResumableSampler, check_cifar_root, cifar10, one_process_sampler)
 from ..distributed import DistInfo
 from .errors import UserError
 
@@ -94,7 +95,10 @@ class DeviceLoader:
 
     def __init__(self, images_u8: torch.Tensor, labels: torch.Tensor, *, batch_size: int,
                  img_size: int, device: torch.device, train: bool, info: DistInfo,
-                 seed: int = 0, channels_last: bool = False) -> None:
+                 sampler: Optional[Sampler[int]] = None, seed: int = 0,
+                 channels_last: bool = False) -> None:
+        """``sampler``: the order (training: the script's DistributedSampler; None: one
+        process's, seeded by ``seed``; validation: this rank's shard)."""
         if images_u8.dtype != torch.uint8 or images_u8.dim() != 4 or images_u8.shape[1] != 3:
             raise ValueError(f"images_u8 must be uint8 [N, 3, H, W], got {images_u8.dtype} "
                              f"{tuple(images_u8.shape)}")
@@ -107,11 +111,14 @@ class DeviceLoader:
         self.images = images_u8.to(self.device).contiguous()
         self.labels = labels.to(self.device, torch.int64)
         self.batch_size, self.img_size = batch_size, img_size
-        self.train, self.seed, self.rank = train, seed, info.rank
+        self.train, self.rank = train, info.rank
         self.channels_last = channels_last
-        self.dataset_size = images_u8.shape[0]
-        self.sampler = (train_sampler(self.dataset_size, info, seed) if train
-                        else IndexSampler.shard(self.dataset_size, info))
+        self.dataset_size = n = images_u8.shape[0]
+        if sampler is None:
+            sampler = one_process_sampler(n, seed) if train else IndexSampler.shard(n, info)
+        self.sampler = ResumableSampler(sampler) if train else sampler
+        # The flips follow the order's seed: the same seed, the same epoch of images.
+        self.seed = getattr(sampler, "seed", seed)
         # Normalize((x/255 - mean) / std) as x * scale + bias on the 0..255 values.
         std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1) * 255
         mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1) * 255
@@ -174,16 +181,28 @@ class DeviceLoader:
             yield self.transform(batch, flip), self.labels.index_select(0, idx)
 
 
+class DeviceSplit(TensorDataset):
+    """A training split held on the device as uint8 (images, labels): what a training
+    sampler draws from, and ``loader(sampler)`` its batches in that sampler's order."""
+
+    def __init__(self, images_u8: torch.Tensor, labels: torch.Tensor, **loader_kw) -> None:
+        device = loader_kw["device"]
+        super().__init__(images_u8.to(device).contiguous(), labels.to(device, torch.int64))
+        self.loader_kw = loader_kw
+
+    def loader(self, sampler: Optional[Sampler[int]] = None) -> DeviceLoader:
+        return DeviceLoader(*self.tensors, train=True, sampler=sampler, **self.loader_kw)
+
+
 def fast_loaders(name: str, root: Path, img_size: int, batch_size: int, info: DistInfo,
-                 seed: int = 0, channels_last: bool = False, train: bool = True
-                 ) -> Tuple[Optional[DeviceLoader], DeviceLoader, int]:
-    """(training loader, or None with ``train=False``; validation loader; number of classes)."""
+                 channels_last: bool = False, train: bool = True
+                 ) -> Tuple[Optional[DeviceSplit], DeviceLoader, int]:
+    """(the training split, or None with ``train=False``; the validation loader; the number
+    of classes)."""
     kw = dict(batch_size=batch_size, img_size=img_size, device=info.device, info=info,
-              seed=seed, channels_last=channels_last)
-    train_dl = None
+              channels_last=channels_last)
+    train_set = None
     if train:
-        images, labels = load_uint8(name, root, info, train=True)
-        train_dl = DeviceLoader(images, labels, train=True, **kw)
+        train_set = DeviceSplit(*load_uint8(name, root, info, train=True), **kw)
     images, labels = load_uint8(name, root, info, train=False)
-    val_dl = DeviceLoader(images, labels, train=False, **kw)
-    return train_dl, val_dl, NUM_CLASSES[name]
+    return train_set, DeviceLoader(images, labels, train=False, **kw), NUM_CLASSES[name]

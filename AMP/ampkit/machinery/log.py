@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import torch
+
 
 def format_duration(seconds: float) -> str:
     """``1342.4`` -> ``0h22m22s`` (the article divided seconds by 60 with //)."""
@@ -35,8 +37,9 @@ class RunLogger:
         if self.is_main:
             print(*args, **kwargs, flush=True)
 
-    def warn(self, message: str) -> None:
-        if self.is_main:
+    def warn(self, message: Optional[str]) -> None:
+        """A warning line on stderr (None: nothing to say)."""
+        if self.is_main and message:
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def scalars(self, values: Dict[str, float], step: int) -> None:
@@ -78,6 +81,22 @@ class RunLogger:
                 kept.append(line)
         return "".join(kept)
 
+    def epoch(self, row: Dict[str, Any], epochs: int, counts: tuple) -> None:
+        """An epoch's results: its line on the console, its row in log.jsonl, its scalars in
+        TensorBoard. ``counts``: validation's (correct, total)."""
+        scale = row.get("grad_scale")
+        self.print(f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  "
+                   f"val_acc {row['val_acc']:.4f} ({counts[0]}/{counts[1]})  lr {row['lr']:.2e}  "
+                   f"time {row['epoch_time']:.1f}s  {row['images_per_s']:.0f} img/s"
+                   + (f"  skipped_steps {row['skipped_steps']}  scale {scale:.0f}"
+                      if scale is not None else ""))
+        self.record(row)
+        self.scalars({"train/loss": row["train_loss"], "train/lr": row["lr"],
+                      "val/accuracy": row["val_acc"], "time/epoch_seconds": row["epoch_time"],
+                      "throughput/images_per_second": row["images_per_s"]}
+                     | ({"amp/grad_scale": scale, "amp/skipped_steps": row["skipped_steps"]}
+                        if scale is not None else {}), row["epoch"])
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -85,3 +104,28 @@ class RunLogger:
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
+
+
+def header_line(args, info, technique, data, fp32_math: str) -> str:
+    """The run's first line: what trains, on what, in which precision, from which data."""
+    device, t = info.device, technique
+    gpu = device.type == "cuda"
+    dp = any(isinstance(m, torch.nn.DataParallel) for m in t.model.modules())
+    gpus = f" x{torch.cuda.device_count()} GPUs" if dp and gpu else ""
+    dtype = f" ({str(t.compute_dtype)[6:]})" if t.compute_dtype is not None else \
+        (f" ({fp32_math})" if gpu else "")
+    return (f"{args.variant}: {args.dataset} ({data.train_size} train / {data.val_size} val "
+            f"images, {data.num_classes} classes) at {args.img_size}px on {device}"
+            f"{f' x{info.world_size} processes' if info.distributed else ''}{gpus}, "
+            f"precision {t.precision}{dtype}, "
+            f"batch {args.batch_size}{' per process' if info.distributed else ''}, "
+            f"{data.kind} loader")
+
+
+def summary_line(args, seconds: float, train_seconds: float, best_acc: float, best_epoch: int,
+                 run_dir: Path, tb_dir: Optional[Path]) -> str:
+    """The run's last line."""
+    return (f"done: {args.variant}, {args.epochs} epochs, {format_duration(seconds)} (training "
+            f"alone {format_duration(train_seconds)}), best val_acc {max(best_acc, 0):.4f} at "
+            f"epoch {best_epoch}; checkpoints in {run_dir}"
+            + (f"; TensorBoard in {tb_dir}" if tb_dir else ""))

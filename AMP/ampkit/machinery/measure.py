@@ -11,27 +11,26 @@ what ``compare.py`` measures end to end).
   optimizer state creation, compilation).
 - The timed ``steps`` are clocked with CUDA events on a GPU (the host waits for the
   end event), with ``time.perf_counter`` on the CPU.
-- Peak memory: ``torch.cuda.max_memory_allocated`` on a GPU (reset after warm-up); on
-  the CPU the process's peak resident memory (``VmHWM``, reset through
-  ``/proc/self/clear_refs`` before each variant where Linux allows).
+- Peak memory (:mod:`ampkit.machinery.memory`, reset after warm-up):
+  ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU the process's peak resident
+  memory (``VmHWM``, reset through ``/proc/self/clear_refs`` where Linux allows).
+- No host sync inside the timed window: the loop's host read (``--log_every``) is put
+  after the last timed step.
 - FLOPs per step: ``torch.utils.flop_counter.FlopCounterMode`` over one forward +
   backward of the bare model (matmuls and convolutions; not the optimizer);
   utilisation = achieved FLOP/s / (peak x devices), where the peak is the precision's
   own: ``peak_tflops`` (fp16/bf16) for the autocast variants, ``peak_tflops_fp32`` for
   the fp32 ones, whose math on CUDA is labelled (``fp32_math``: TF32 or true fp32).
 
-Traces (``StepProfiler``, ``--profile`` of the train scripts and benchmark.py): a few
-training steps after warm-up recorded by ``torch.profiler``, written as a Chrome trace per
-rank (open it in https://ui.perfetto.dev or chrome://tracing), and the table of the
-operators that took the most time themselves.
+Traces: ``--profile`` records a few more steps with :class:`ampkit.machinery.profiler.StepProfiler`.
 
 Input pipeline (``measure_input_pipeline``): images/s that an input path delivers to
 the device, one epoch after another, first ``warmup`` batches not timed:
 
 - ``article``: torchvision's CIFAR10 with ``Resize(img_size)`` + ``ToTensor()`` in PIL,
   ``num_workers=0``, as the article does;
-- ``classic``: ampkit's DataLoader path (:mod:`ampkit.data`);
-- ``fast``: ampkit's device path (:mod:`ampkit.fastdata`).
+- ``classic``: ampkit's DataLoader path (:mod:`ampkit.machinery.data`);
+- ``fast``: ampkit's device path (:mod:`ampkit.machinery.fastdata`).
 
 Without CIFAR-10 under ``root``, generated images in CIFAR-10's on-disk format are used
 (``write_cifar10``; the pipelines' cost does not depend on the pixel values).
@@ -42,8 +41,6 @@ import contextlib
 import gc
 import importlib
 import pickle
-import resource
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -54,87 +51,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..distributed import DistInfo, cleanup, setup, synchronize
+import torch.distributed as dist
+
+from ..distributed import DistInfo, synchronize
 from ..engine import Parts, train_one_epoch
 from ..models import build_model
-from ..precision import SkippedSteps
+from ..precision import SkippedSteps, compile_in_place
+from .memory import memory_kind, peak_memory_mb, reset_peak_memory
+from .profiler import StepProfiler
 from .variants import DISTRIBUTED, TRAIN_VARIANTS
 
 KINDS = ("article", "classic", "fast")
 CIFAR_FOLDER = "cifar-10-batches-py"
 CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
                  "ship", "truck")
-
-
-# --------------------------------------------------------------------------- memory
-def peak_memory_mb(device: torch.device, all_gpus: bool = False) -> float:
-    """Peak memory of this process so far: allocated on the GPU (``all_gpus``: the largest
-    over the visible GPUs, as DataParallel uses them all), or peak RSS on the CPU."""
-    if device.type == "cuda":
-        ids = range(torch.cuda.device_count()) if all_gpus else [device]
-        return max(torch.cuda.max_memory_allocated(i) for i in ids) / 2**20
-    return _host_peak_mb()
-
-
-def _reset_host_peak() -> bool:
-    """Reset the process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _host_peak_mb() -> float:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / (2**20 if sys.platform == "darwin" else 2**10)
-
-
-# --------------------------------------------------------------------------- traces
-class StepProfiler:
-    """``torch.profiler`` over training steps: ``wait`` steps skipped, ``warmup`` recorded and
-    dropped (the profiler's own start-up), ``active`` recorded; then the Chrome trace is
-    written to ``path`` and ``table`` holds the top operators by self time."""
-
-    def __init__(self, path: Path, device: torch.device, wait: int = 1, warmup: int = 1,
-                 active: int = 3) -> None:
-        from torch.profiler import ProfilerActivity, profile, schedule
-
-        self.path, self.cuda, self.needed, self.table = Path(path), device.type == "cuda", \
-            wait + warmup + active, ""
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        # One recording cycle: acc_events changes nothing but the warning torch 2.11 gives.
-        self.prof = profile(activities=activities, on_trace_ready=self._ready, acc_events=True,
-                            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1))
-
-    def _ready(self, prof) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(self.path))
-        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        self.table = prof.key_averages().table(sort_by=sort, row_limit=12)
-
-    def __enter__(self) -> "StepProfiler":
-        self.prof.start()
-        return self
-
-    def step(self) -> None:
-        self.prof.step()
-
-    def __exit__(self, *exc) -> None:
-        self.prof.stop()
-
-    def report(self) -> str:
-        """What to print once the steps are over."""
-        if not self.table:
-            return (f"--profile: fewer than the {self.needed} steps it records "
-                    "(1 skipped, 1 warm-up, 3 traced): no trace written (more steps: a "
-                    "smaller --batch_size)")
-        return (f"{self.table}\ntrace: {self.path} (open it in https://ui.perfetto.dev or "
-                "chrome://tracing)")
 
 
 # --------------------------------------------------------------------------- model steps
@@ -185,7 +115,8 @@ def count_step_flops(model: nn.Module, images: torch.Tensor, targets: torch.Tens
 
 
 class DDPGroup:
-    """A one-process group for the DDP variants, created on first use, closed at the end."""
+    """A one-process group for the DDP and FSDP2 variants (an in-memory store: no port),
+    created on first use, closed at the end."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
@@ -193,12 +124,17 @@ class DDPGroup:
 
     def get(self) -> DistInfo:
         if self.info is None:
-            self.info = setup(True, self.cuda)
+            device = torch.device("cuda", torch.cuda.current_device()) if self.cuda \
+                else torch.device("cpu")
+            dist.init_process_group("nccl" if self.cuda else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1,
+                                    device_id=device if self.cuda else None)
+            self.info = DistInfo.of(device)
         return self.info
 
     def close(self) -> None:
         if self.info is not None:
-            cleanup(self.info)
+            dist.destroy_process_group()
             self.info = None
 
 
@@ -222,7 +158,7 @@ def _result(variant: str, device: torch.device, ddp: Optional[DDPGroup], **kw) -
     res = StepResult(variant=variant, parallel=parallel, precision=precision, amp_dtype="",
                      arch=kw.pop("arch"), device=device.type, devices=devices, note=note,
                      timer="cuda events" if cuda else "perf_counter",
-                     peak_mem_kind="cuda max_memory_allocated" if cuda else "max RSS (process)",
+                     peak_mem_kind=memory_kind(device),
                      **kw)
     return info, res
 
@@ -255,20 +191,23 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
              torch.randint(0, num_classes, (batch_size,), generator=gen).to(device))
             for _ in range(min(4, max(steps, 1)))]
     flops = count_step_flops(model, *pool[0])
-    v = importlib.import_module(variant).build(
+    t = importlib.import_module(variant).build(
         Parts(device, model, nn.CrossEntropyLoss(), amp_dtype, dp_scope, lr=lr, arch=arch))
-    res.amp_dtype = str(v.amp_dtype)[6:] if v.amp_dtype is not None else ""
+    res.amp_dtype = str(t.compute_dtype)[6:] if t.compute_dtype is not None else ""
     if res.compiled:
-        v.model.compile()  # compiled during the warm-up steps
-    v.model.train()
-    skipped = SkippedSteps(v.scaler, device)
+        compile_in_place(t.model)  # compiled during the warm-up steps
+    t.model.train()
+    skipped = SkippedSteps(t.scaler, device)
     if warmup > 0:
-        train_one_epoch(v.step, [pool[i % len(pool)] for i in range(warmup)], info,
+        train_one_epoch(t.step, [pool[i % len(pool)] for i in range(warmup)], info,
                         desc=f"{variant} warm-up", skipped=skipped, input_format=fmt)
     _reset_peaks(device, res)
     batches = [pool[i % len(pool)] for i in range(steps)]
+    # log_every past the last step: the loop's host read (the loss for the progress bar, the
+    # stop and divergence checks) would sync inside the timed window.
     seconds, stats = _timed(lambda: train_one_epoch(
-        v.step, batches, info, desc=variant, skipped=skipped, input_format=fmt), device)
+        t.step, batches, info, desc=variant, log_every=steps + 1, skipped=skipped,
+        input_format=fmt), device)
     res.peak_mem_mb = peak_memory_mb(device, all_gpus=res.parallel == "dp")
     res.seconds, res.step_ms = seconds, 1000.0 * seconds / steps
     res.images_per_s = stats.images / seconds  # all ranks together
@@ -276,7 +215,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     res.achieved_tflops = res.gflop_per_step * steps / seconds / 1e3
     if profile is not None:  # started and stopped by train_one_epoch
         profiler = StepProfiler(profile, device)
-        train_one_epoch(v.step, [pool[i % len(pool)] for i in range(profiler.needed)], info,
+        train_one_epoch(t.step, [pool[i % len(pool)] for i in range(profiler.needed)], info,
                         desc=f"{variant} profile", skipped=skipped, input_format=fmt,
                         profiler=profiler)
         print(profiler.report(), flush=True)
@@ -289,11 +228,8 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
 def _reset_peaks(device: torch.device, res: StepResult) -> None:
     synchronize(device)
     gc.collect()
-    if device.type == "cuda":
-        for i in range(torch.cuda.device_count()):
-            torch.cuda.reset_peak_memory_stats(i)
-    elif not _reset_host_peak():
-        res.peak_mem_kind = "max RSS (process, since start)"
+    if not reset_peak_memory(device, all_gpus=True):
+        res.peak_mem_kind = memory_kind(device, reset=False)
 
 
 def _timed(fn, device: torch.device) -> tuple:
@@ -406,7 +342,7 @@ def _pipeline(kind: str, root: Path, img_size: int, batch_size: int, num_workers
     if kind == "fast":
         from .fastdata import fast_loaders
         return fast_loaders("CIFAR10", root, img_size, batch_size, info,
-                            channels_last=channels_last)[0]
+                            channels_last=channels_last)[0].loader()
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
@@ -415,6 +351,7 @@ def _endless(loader) -> Iterator:
     epoch = 0
     while True:
         sampler = getattr(loader, "sampler", None)
+        sampler = getattr(sampler, "sampler", sampler)  # the order inside a ResumableSampler
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         empty = True

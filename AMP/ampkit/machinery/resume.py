@@ -1,0 +1,118 @@
+"""Resuming a run: which checkpoint, whether it fits this run, and loading it.
+
+``--resume`` (this variant's last.pth), ``--resume PATH``, or a restart by torchrun
+(``--max-restarts``), which continues from the run's last.pth by itself. The checkpoint
+must come from the same variant, data set, data folder, image size and global batch (and,
+stopped mid-epoch, the same world size); what differs is said in one line. The weights
+go into the bare model before the script wraps it; the optimizer's, LR schedule's and
+GradScaler's states wait until the script's ``build()`` has made those objects.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt_io
+from .errors import UserError
+
+
+def resume_path(args, run_dir: Path) -> Optional[Path]:
+    """The checkpoint this run continues, or None for a new run."""
+    if args.resume == "auto":
+        path = run_dir / ckpt_io.LAST
+        if not path.is_file():
+            raise UserError(f"--resume: no checkpoint to resume at {path}")
+        return path
+    if args.resume:
+        return ckpt_io.resolve(Path(args.resume), "--resume")
+    # Restarted by torchrun (--max-restarts): continue from the latest checkpoint.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and (run_dir / ckpt_io.LAST).is_file():
+        return run_dir / ckpt_io.LAST
+    return None
+
+
+def resume_mismatches(state: dict, args, world_size: int) -> List[str]:
+    """What differs between a checkpoint and the run about to continue it, in words."""
+    trained, diffs, variant = state.get("args") or {}, [], args.variant
+    if state.get("variant", variant) != variant:
+        diffs.append(f"it is a {state['variant']} run, this is {variant}")
+    for key in ("dataset", "img_size"):
+        if key in trained and trained[key] != getattr(args, key):
+            diffs.append(f"--{key} {trained[key]} (this run: {getattr(args, key)})")
+    root = trained.get("dataset_root")
+    if root and args.dataset != "FakeData" and \
+            Path(root).resolve() != Path(args.dataset_root).resolve():
+        diffs.append(f"--dataset_root {root} (this run: {args.dataset_root})")
+    world, batch = state.get("world_size"), trained.get("batch_size")
+    if world is not None and batch is not None:
+        if world * batch != world_size * args.batch_size:
+            diffs.append(f"a global batch of {batch} x {world} processes (this run: "
+                         f"{args.batch_size} x {world_size})")
+        elif world != world_size and state.get("step", 0):
+            diffs.append(f"{world} processes, stopped mid-epoch (this run: {world_size})")
+    return diffs
+
+
+@dataclass
+class Resumed:
+    """Where a run continues: its counters, and the states that wait for ``build()``."""
+    path: Optional[Path] = None
+    epoch: int = 0
+    step: int = 0
+    best_acc: float = -1.0
+    best_epoch: int = -1
+    states: Dict[str, Any] = field(default_factory=dict)  # optimizer, scheduler, scaler
+
+
+def load_resume(path: Path, args, model: nn.Module, device: torch.device,
+                world_size: int, is_main: bool) -> Resumed:
+    """Check ``path`` against this run, load its weights into the bare ``model`` and, on
+    rank 0, its RNG state (the other ranks keep their seed + rank streams)."""
+    state = ckpt_io.load(path, map_location="cpu")
+    if "optimizer" not in state:
+        raise UserError(f"{path}: holds weights only (no optimizer state); cannot resume "
+                        f"from it (--init_from {path} starts a new run from its weights)")
+    diffs = resume_mismatches(state, args, world_size)
+    if diffs:
+        raise UserError(f"--resume {path} does not fit this run: {'; '.join(diffs)}. Resume "
+                        f"with the same settings, or start a new run from its weights with "
+                        f"--init_from {path}")
+    ckpt_io.load_weights(model, state, path)
+    if is_main and "rng" in state:
+        torch.set_rng_state(state["rng"]["torch"])
+        if device.type == "cuda" and state["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+    return Resumed(path, int(state["epoch"]), int(state.get("step", 0)),
+                   float(state.get("best_acc", -1.0)), int(state.get("best_epoch", -1)),
+                   {k: state.get(k) for k in ("optimizer", "scheduler", "scaler")})
+
+
+def load_states(resumed: Resumed, technique, scheduler) -> None:
+    """The optimizer's (FSDP2: sharded again), LR schedule's and GradScaler's saved states,
+    into the objects the script's ``build()`` made."""
+    if not resumed.states:
+        return
+    ckpt_io.load_optimizer_state(technique.optimizer, resumed.states["optimizer"],
+                                 technique.model)
+    scheduler.load_state_dict(resumed.states["scheduler"])
+    if technique.scaler is not None and resumed.states["scaler"]:
+        technique.scaler.load_state_dict(resumed.states["scaler"])
+    resumed.states = {}
+
+
+def where_it_starts(resumed: Resumed, args) -> Optional[str]:
+    """The line that says where a resumed run, or one started from weights, begins."""
+    if resumed.path is not None and resumed.epoch >= args.epochs:
+        return (f"{args.variant}: {resumed.path} has already trained {resumed.epoch} of "
+                f"--epochs {args.epochs}; nothing to do (raise --epochs to train on)")
+    if resumed.path is not None:
+        return f"resumed from {resumed.path}: epoch {resumed.epoch + 1}, step {resumed.step}"
+    if args.init_from is not None:
+        return f"starting from the weights of {args.init_from} (epoch 1, a new optimizer)"
+    return None

@@ -1,0 +1,105 @@
+"""When a run saves, and what: the save policy and the checkpoint's content.
+
+- ``last.pth``: the full state after an epoch (or mid-epoch, at a stop): weights without
+  any wrapper's prefix (FSDP2: gathered from every rank's shards), optimizer, LR schedule,
+  GradScaler, counters, RNG, the run's flags. Written as ``--save_every`` says (epochs, or
+  time since the last save), after the last epoch, and at a stop.
+- ``best.pth``: weights and metadata at the best validation accuracy. A best epoch between
+  two saves of last.pth waits in memory and is written with the next one, after it: there
+  is never a best.pth without a last.pth to resume from.
+- Every rank takes part in making the state (FSDP2's gather is a collective); global rank 0
+  alone writes, in the background (:class:`ampkit.machinery.checkpoint.BackgroundWriter`).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..distributed import DistInfo
+from . import checkpoint as ckpt_io
+from .config import args_to_plain, parse_interval
+
+# What only resuming needs: last.pth has it, best.pth (weights and metadata) does not.
+RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng")
+
+
+def checkpoint_state(technique, scheduler, args, info: DistInfo, counters: Dict[str, Any],
+                     num_classes: int, resume: bool) -> Dict[str, Any]:
+    """The checkpoint's content (live tensors): ``counters`` (epoch, step, best_acc,
+    best_epoch, val_acc) and the weights; ``resume``: with what only resuming needs."""
+    model, device = technique.model, info.device
+    state = {"model": ckpt_io.model_state(model), "arch": args.arch, **counters,
+             "num_classes": num_classes, "variant": args.variant,
+             "world_size": info.world_size, "args": args_to_plain(args),
+             "torch_version": str(torch.__version__)}
+    if resume:
+        state |= {"optimizer": ckpt_io.optimizer_state(technique.optimizer, model),
+                  "scheduler": scheduler.state_dict(),
+                  "scaler": (technique.scaler.state_dict() if technique.scaler is not None
+                             else None),
+                  "rng": {"torch": torch.get_rng_state(),
+                          "cuda": (torch.cuda.get_rng_state(device)
+                                   if device.type == "cuda" else None)}}
+    return state
+
+
+class SavePolicy:
+    """Decides when to write last.pth and best.pth, and hands them to the background writer."""
+
+    def __init__(self, run_dir: Path, save_every: str, epochs: int, info: DistInfo) -> None:
+        self.run_dir, self.epochs, self.info = run_dir, epochs, info
+        self.every_epochs, self.every_seconds = parse_interval(save_every)
+        self.writer = ckpt_io.BackgroundWriter()
+        self.snapshots = {"last": ckpt_io.Snapshot(), "best": ckpt_io.Snapshot()}
+        self.pending_best: Optional[Dict[str, Any]] = None
+        self.last_save = time.perf_counter()
+
+    def due(self, epoch: int, now: bool) -> bool:
+        """Whether last.pth is written after ``epoch`` epochs (the same answer on every rank)."""
+        return bool(now or epoch == self.epochs
+                    or (self.every_epochs and epoch % self.every_epochs == 0)
+                    or (self.every_seconds and self._time_to_save()))
+
+    def save(self, make_state, epoch: int, is_best: bool, now: bool = False) -> Dict[str, float]:
+        """Save after ``epoch`` epochs: ``make_state(resume)`` makes the content (every rank
+        calls it). ``now``: a stop, which also waits for the write. Returns the save's
+        timing for the epoch's log row (rank 0)."""
+        due = self.due(epoch, now)
+        if not (is_best or due):
+            return {}
+        # The snapshot buffers are the ones the previous save is written from: wait for it.
+        timing = {"save_wait_s": self.writer.wait(),  # 0: the previous save overlapped training
+                  "save_write_s": self.writer.write_seconds}  # how long that write took
+        t0 = time.perf_counter()
+        state = make_state(resume=due)  # every rank: FSDP2 gathers its shards here
+        if due:
+            self.last_save = time.perf_counter()
+        if not self.info.is_main:
+            return {}
+        if is_best:
+            self.pending_best = self.snapshots["best"].take(
+                {k: x for k, x in state.items() if k not in RESUME_ONLY})
+        if due:  # last.pth first: a best.pth never stands without a last.pth to resume from
+            best = ([(self.pending_best, self.run_dir / ckpt_io.BEST)] if self.pending_best
+                    else [])
+            self.pending_best = None
+            self.writer.submit([(self.snapshots["last"].take(state),
+                                 self.run_dir / ckpt_io.LAST)] + best)
+            if now:
+                self.writer.wait()
+        timing["save_snapshot_s"] = time.perf_counter() - t0
+        return timing
+
+    def _time_to_save(self) -> bool:
+        """Whether --save_every's time has come, on any rank's clock: all ranks agree."""
+        due = torch.tensor(int(time.perf_counter() - self.last_save >= self.every_seconds))
+        return bool(self.info.all_reduce_max(due.to(self.info.device)).item())
+
+    def finish(self) -> None:
+        """Wait for the last save; remove the spare files (rank 0)."""
+        self.writer.wait()
+        if self.info.is_main:
+            ckpt_io.remove_spares(self.run_dir)
