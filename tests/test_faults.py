@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -263,6 +264,23 @@ def test_cifar_archive_member_that_could_write_outside_the_root_is_refused(unsaf
     line = _one_line(code, err)
     assert str(root / ARCHIVE) in line and member.name in line and words in line, line
     assert _files(tmp_path) == before  # nothing extracted, inside the root or out of it
+
+
+# ------------------------------------------------------------------ 3b: bad CIFAR-10 labels
+@pytest.mark.parametrize("label, loader", [(12, "fast"), (12, "classic"), (-1, "fast"),
+                                           (1.5, "fast"), ("cat", "classic")])
+def test_cifar_label_that_is_not_a_class_is_one_line(label, loader, cifar_root, tmp_path, capsys):
+    root = _copy_tree(cifar_root, tmp_path / "cifar")
+    path = root / "cifar-10-batches-py" / "data_batch_2"
+    with open(path, "rb") as f:
+        batch = pickle.load(f)
+    batch["labels"][3] = label
+    with open(path, "wb") as f:
+        pickle.dump(batch, f, protocol=2)
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt", "--loader", loader,
+                                                  dataset="CIFAR10"), capsys)
+    line = _one_line(code, err)
+    assert str(path) in line and f"label {label!r}" in line, line
 
 
 # ------------------------------------------------------------------ 4: a full disk

@@ -3,7 +3,8 @@
 - CIFAR-10 through torchvision, downloaded into ``--dataset_root`` (one process per
   node downloads while the others wait); with no network the error says where to
   put the archive instead. The archive, downloaded or put there, is checked against
-  its published md5 and member by member before anything is extracted.
+  its published md5 and member by member before anything is extracted, and every
+  label is checked to be a class index before training starts.
 - ImageFolder: ``<root>/train/<class>/*`` and ``<root>/val/<class>/*``.
 - FakeData: random images, for smoke runs without data.
 
@@ -15,6 +16,7 @@ reduced counts are exact for any world size.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import pickle
 import tarfile
@@ -120,6 +122,16 @@ def build_transform(img_size: int, train: bool) -> transforms.Compose:
     return transforms.Compose(steps)
 
 
+def _bad_label(labels: Sequence) -> Optional[int]:
+    """Index of the first label that is not a class index (an int in 0..9); None if all are.
+    Out of range it fails the first step, and a float is cast to an int without a word."""
+    classes = NUM_CLASSES["CIFAR10"]
+    for i, y in enumerate(labels):
+        if isinstance(y, bool) or not isinstance(y, numbers.Integral) or not 0 <= y < classes:
+            return i
+    return None
+
+
 def _broken_cifar_file(folder: Path) -> Optional[Tuple[Path, str]]:
     """The first extracted CIFAR-10 file that cannot be read as one, and why; None if all can."""
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
@@ -130,18 +142,30 @@ def _broken_cifar_file(folder: Path) -> Optional[Tuple[Path, str]]:
                 entry = pickle.load(f, encoding="latin1")
             if name in names:
                 images = np.asarray(entry["data"]).reshape(-1, 3, 32, 32)
-                if len(entry["labels"]) != len(images):
-                    raise ValueError(f"{len(images)} images but {len(entry['labels'])} labels")
+                labels = entry["labels"]
+                if len(labels) != len(images):
+                    raise ValueError(f"{len(images)} images but {len(labels)} labels")
+                bad = _bad_label(labels)
+                if bad is not None:
+                    raise ValueError(f"label {labels[bad]!r} of image {bad} is not a class "
+                                     f"index 0..{NUM_CLASSES['CIFAR10'] - 1}")
         except Exception as e:  # whatever a broken pickle raises
             return path, (str(e).splitlines() or [type(e).__name__])[0][:160]
     return None
+
+
+def _load_cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
+    data = CIFAR10(str(root), train=train, transform=transform, download=download)
+    if _bad_label(data.targets) is not None:  # _broken_cifar_file names the file
+        raise ValueError("a label that is not a class index")
+    return data
 
 
 def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
     """torchvision's CIFAR-10 under ``root``. Broken extracted files are named, and extracted
     again from the archive when it lies beside them (by the process allowed to download)."""
     try:
-        return CIFAR10(str(root), train=train, transform=transform, download=download)
+        return _load_cifar10(root, train, transform, download)
     except UserError:  # a bad archive: already one line
         raise
     except Exception as e:  # URLError, socket errors, broken files: one line
@@ -157,7 +181,7 @@ def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
     if download and archive.is_file():
         try:
             extract_cifar_archive(archive, Path(root))
-            data = CIFAR10(str(root), train=train, transform=transform, download=False)
+            data = _load_cifar10(root, train, transform, download=False)
             print(f"{path} was broken ({why}): extracted it again from {archive}", flush=True)
             return data
         except UserError:  # a bad archive, not extracted: that is what to fix first
