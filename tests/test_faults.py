@@ -5,8 +5,11 @@ and never a lost or half-written checkpoint."""
 from __future__ import annotations
 
 import errno
+import hashlib
+import io
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -139,20 +142,51 @@ def _weights(tmp_path: Path) -> Path:
 
 
 # ------------------------------------------------------------------ 3: broken CIFAR-10 files
-def _cifar(tmp_path: Path, archive: bool) -> Path:
+ARCHIVE = "cifar-10-python.tar.gz"
+# No download can start: what a run does with the archive it was given is all there is to see.
+NO_NETWORK = {name: "http://127.0.0.1:9" for name in ("http_proxy", "https_proxy",
+                                                       "HTTP_PROXY", "HTTPS_PROXY")}
+
+
+def _cifar(root: Path, archive: bool, *extra: tarfile.TarInfo, broken: bool = True) -> Path:
+    """A tiny CIFAR-10 in ``root``; with ``archive``, a cifar-10-python.tar.gz of it beside it
+    (``extra`` members last, so an extractor that checks as it goes has written the rest);
+    ``broken``: data_batch_1 is cut short."""
     from ampkit.machinery.measure import write_cifar10
 
-    root = write_cifar10(tmp_path / "cifar", 60, 11, seed=1, learnable=True)
+    write_cifar10(root, 60, 11, seed=1, learnable=True)
     if archive:
-        with tarfile.open(root / "cifar-10-python.tar.gz", "w:gz") as tar:
+        with tarfile.open(root / ARCHIVE, "w:gz") as tar:
             tar.add(root / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+            for member in extra:
+                tar.addfile(member, io.BytesIO(b"x" * member.size) if member.isfile() else None)
     batch = root / "cifar-10-batches-py" / "data_batch_1"
-    batch.write_bytes(batch.read_bytes()[:1000])
+    if broken:
+        batch.write_bytes(batch.read_bytes()[:1000])
     return root
 
 
+def _trust_the_archive(root: Path, monkeypatch) -> None:
+    """Take the test archive's md5 for CIFAR-10's published one (the real archive is 163 MB)."""
+    from ampkit.machinery import datasets
+
+    monkeypatch.setattr(datasets, "ARCHIVE_MD5", hashlib.md5((root / ARCHIVE).read_bytes()).hexdigest())
+
+
+def _files(tmp_path: Path) -> dict:
+    """Every path under ``tmp_path`` but the run's checkpoint folder (links not followed), with
+    the bytes of the regular files."""
+    found = {}
+    for folder, dirs, files in os.walk(tmp_path):
+        dirs[:] = [d for d in dirs if Path(folder, d) != tmp_path / "ckpt"]
+        for name in dirs + files:
+            path = Path(folder, name)
+            found[path] = path.is_symlink() or (path.is_file() and path.read_bytes())
+    return found
+
+
 def test_broken_cifar_file_is_named(tmp_path, capsys):
-    root = _cifar(tmp_path, archive=False)
+    root = _cifar(tmp_path / "cifar", archive=False)
     code, out, err = _main("train_without", _args(root, tmp_path / "ckpt", dataset="CIFAR10"),
                            capsys)
     line = _one_line(code, err)
@@ -160,13 +194,93 @@ def test_broken_cifar_file_is_named(tmp_path, capsys):
     assert "cifar-10-python.tar.gz" in line and "Delete" in line, line
 
 
-def test_broken_cifar_file_is_extracted_again_from_the_archive(tmp_path, capsys):
-    root = _cifar(tmp_path, archive=True)
+def test_broken_cifar_file_is_extracted_again_from_the_archive(tmp_path, capsys, monkeypatch):
+    root = _cifar(tmp_path / "cifar", archive=True)
+    _trust_the_archive(root, monkeypatch)
     code, out, err = _main("train_without", _args(root, tmp_path / "ckpt", dataset="CIFAR10"),
                            capsys)
     assert code == 0, err
     assert "data_batch_1 was broken" in out and "extracted it again" in out, out
     assert "(60 train / 11 val images" in out, out
+
+
+def test_cifar_archive_in_the_root_is_checked_then_extracted(tmp_path, capsys, monkeypatch):
+    root = _cifar(tmp_path / "cifar", archive=True, broken=False)
+    shutil.rmtree(root / "cifar-10-batches-py")
+    _trust_the_archive(root, monkeypatch)
+    for name, value in NO_NETWORK.items():
+        monkeypatch.setenv(name, value)
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt", dataset="CIFAR10"),
+                           capsys)
+    assert code == 0, err
+    assert "(60 train / 11 val images" in out, out
+
+
+@pytest.mark.parametrize("files", ["broken", "missing"])
+def test_cifar_archive_with_another_md5_is_not_extracted(files, tmp_path, capsys, monkeypatch):
+    root = _cifar(tmp_path / "cifar", archive=True)
+    if files == "missing":
+        shutil.rmtree(root / "cifar-10-batches-py")
+    for name, value in NO_NETWORK.items():
+        monkeypatch.setenv(name, value)
+    before = _files(tmp_path)
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt", dataset="CIFAR10"),
+                           capsys)
+    line = _one_line(code, err)
+    assert str(root / ARCHIVE) in line and "md5" in line, line
+    assert _files(tmp_path) == before
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    member = tarfile.TarInfo(name)
+    member.type, member.linkname = kind, link
+    member.size = 5 if kind == tarfile.REGTYPE else 0
+    return member
+
+
+UNSAFE = {  # a member, and what the error line says of it
+    "..": (lambda tmp: _member("../../escaped_by_tar"), "'..'"),
+    "absolute path": (lambda tmp: _member(str(tmp / "escaped_by_tar")), "absolute path"),
+    "symlink to /etc": (lambda tmp: _member("cifar-10-batches-py/etc", tarfile.SYMTYPE, "/etc"),
+                        "symbolic link"),
+    "symlink to ../..": (lambda tmp: _member("cifar-10-batches-py/up", tarfile.SYMTYPE, "../.."),
+                         "symbolic link"),
+    "hard link outside": (lambda tmp: _member("cifar-10-batches-py/h", tarfile.LNKTYPE,
+                                              str(tmp / "outside.txt")), "hard link"),
+}
+
+
+@pytest.mark.parametrize("unsafe", list(UNSAFE))
+def test_cifar_archive_member_that_could_write_outside_the_root_is_refused(unsafe, tmp_path,
+                                                                           capsys, monkeypatch):
+    make, words = UNSAFE[unsafe]
+    (tmp_path / "outside.txt").write_text("not CIFAR-10's")
+    member = make(tmp_path)
+    root = _cifar(tmp_path / "data" / "cifar", True, member)  # ../.. is tmp_path
+    _trust_the_archive(root, monkeypatch)
+    before = _files(tmp_path)
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt", dataset="CIFAR10"),
+                           capsys)
+    line = _one_line(code, err)
+    assert str(root / ARCHIVE) in line and member.name in line and words in line, line
+    assert _files(tmp_path) == before  # nothing extracted, inside the root or out of it
+
+
+# ------------------------------------------------------------------ 3b: bad CIFAR-10 labels
+@pytest.mark.parametrize("label, loader", [(12, "fast"), (12, "classic"), (-1, "fast"),
+                                           (1.5, "fast"), ("cat", "classic")])
+def test_cifar_label_that_is_not_a_class_is_one_line(label, loader, cifar_root, tmp_path, capsys):
+    root = _copy_tree(cifar_root, tmp_path / "cifar")
+    path = root / "cifar-10-batches-py" / "data_batch_2"
+    with open(path, "rb") as f:
+        batch = pickle.load(f)
+    batch["labels"][3] = label
+    with open(path, "wb") as f:
+        pickle.dump(batch, f, protocol=2)
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt", "--loader", loader,
+                                                  dataset="CIFAR10"), capsys)
+    line = _one_line(code, err)
+    assert str(path) in line and f"label {label!r}" in line, line
 
 
 # ------------------------------------------------------------------ 4: a full disk

@@ -2,7 +2,9 @@
 
 - CIFAR-10 through torchvision, downloaded into ``--dataset_root`` (one process per
   node downloads while the others wait); with no network the error says where to
-  put the archive instead.
+  put the archive instead. The archive, downloaded or put there, is checked against
+  its published md5 and member by member before anything is extracted, and every
+  label is checked to be a class index before training starts.
 - ImageFolder: ``<root>/train/<class>/*`` and ``<root>/val/<class>/*``.
 - FakeData: random images, for smoke runs without data.
 
@@ -16,8 +18,10 @@ reduced counts are exact for any world size.
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 import pickle
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -27,7 +31,7 @@ import torchvision
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset, DistributedSampler, Sampler, default_collate
 from torchvision import transforms
-from torchvision.datasets.utils import extract_archive
+from torchvision.datasets.utils import calculate_md5, download_url
 
 from ..distributed import DistInfo
 from .errors import RankError, UserError
@@ -39,11 +43,16 @@ FAKE_TRAIN_SIZE, FAKE_VAL_SIZE = 1000, 200
 NUM_CLASSES = {"CIFAR10": 10, "FakeData": 10}  # ImageFolder: its number of class folders
 
 
-class CIFAR10(torchvision.datasets.CIFAR10):
-    """torchvision's CIFAR10, trusting extracted batch files that exist.
+CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
+ARCHIVE_MD5 = torchvision.datasets.CIFAR10.tgz_md5  # the published archive's
 
-    torchvision re-hashes the 178 MB of extracted files (md5) at every start;
-    the archive itself is still verified against its md5 when it is downloaded.
+
+class CIFAR10(torchvision.datasets.CIFAR10):
+    """torchvision's CIFAR10, trusting extracted batch files that exist, and extracting the
+    archive only after :func:`extract_cifar_archive`'s checks.
+
+    torchvision re-hashes the 178 MB of extracted files (md5) at every start; the archive
+    is hashed once, before it is extracted.
     """
 
     def _files(self):
@@ -59,6 +68,53 @@ class CIFAR10(torchvision.datasets.CIFAR10):
             self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
 
+    def download(self) -> None:
+        """torchvision's own extracts without a filter: a ``../`` member, an absolute path or
+        a link in a tampered archive would write outside ``root``."""
+        if self._check_integrity():
+            return
+        archive = Path(self.root) / CIFAR_ARCHIVE
+        if not archive.is_file():  # one put there is checked, never downloaded over
+            # No md5 here: extract_cifar_archive hashes the 163 MB once, and says what is wrong.
+            download_url(self.url, self.root, CIFAR_ARCHIVE)
+        extract_cifar_archive(archive, Path(self.root))
+
+
+def _unsafe_member(member: tarfile.TarInfo) -> Optional[str]:
+    """Why ``member`` may not be extracted; None if it may. CIFAR-10's archive holds files and
+    folders at relative paths only: anything else could write outside the folder."""
+    if member.name.startswith("/") or os.path.isabs(member.name):
+        return "has an absolute path"
+    if ".." in member.name.replace("\\", "/").split("/"):
+        return "leads out of the folder with '..'"
+    if member.issym() or member.islnk():
+        kind = "symbolic" if member.issym() else "hard"
+        return f"is a {kind} link (to {member.linkname!r})"
+    if not (member.isfile() or member.isdir()):
+        return "is not a regular file or folder"
+    return None
+
+
+def extract_cifar_archive(archive: Path, root: Path) -> None:
+    """Extract ``archive`` into ``root`` once it has CIFAR-10's published md5 and every member
+    is safe; else a UserError naming it, and nothing written."""
+    md5 = calculate_md5(str(archive))
+    if md5 != ARCHIVE_MD5:
+        raise UserError(f"{archive}: checksum mismatch (md5 {md5}, CIFAR-10's archive has "
+                        f"{ARCHIVE_MD5}): nothing was extracted. Delete it to download CIFAR-10 "
+                        "again, or put the one from https://www.cs.toronto.edu/~kriz/ there")
+    with tarfile.open(archive, "r:gz") as tar:
+        members = tar.getmembers()
+        for member in members:  # all of them before anything is written
+            why = _unsafe_member(member)
+            if why is not None:
+                raise UserError(f"{archive}: nothing was extracted: its member {member.name!r} "
+                                f"{why} (CIFAR-10's archive holds only files and folders, "
+                                "inside the folder it is extracted to)")
+        # The stdlib's own check too, where this Python has it (3.11.4, 3.10.12 and later).
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(root, members, **safe)
+
 
 def build_transform(img_size: int, train: bool) -> transforms.Compose:
     steps = [transforms.Resize((img_size, img_size), antialias=True)]
@@ -68,7 +124,14 @@ def build_transform(img_size: int, train: bool) -> transforms.Compose:
     return transforms.Compose(steps)
 
 
-CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
+def _bad_label(labels: Sequence) -> Optional[int]:
+    """Index of the first label that is not a class index (an int in 0..9); None if all are.
+    Out of range it fails the first step, and a float is cast to an int without a word."""
+    classes = NUM_CLASSES["CIFAR10"]
+    for i, y in enumerate(labels):
+        if isinstance(y, bool) or not isinstance(y, numbers.Integral) or not 0 <= y < classes:
+            return i
+    return None
 
 
 def _broken_cifar_file(folder: Path) -> Optional[Tuple[Path, str]]:
@@ -81,19 +144,33 @@ def _broken_cifar_file(folder: Path) -> Optional[Tuple[Path, str]]:
                 entry = pickle.load(f, encoding="latin1")
             if name in names:
                 images = np.asarray(entry["data"]).reshape(-1, 3, 32, 32)
-                if len(entry["labels"]) != len(images):
-                    raise ValueError(f"{len(images)} images but {len(entry['labels'])} labels")
+                labels = entry["labels"]
+                if len(labels) != len(images):
+                    raise ValueError(f"{len(images)} images but {len(labels)} labels")
+                bad = _bad_label(labels)
+                if bad is not None:
+                    raise ValueError(f"label {labels[bad]!r} of image {bad} is not a class "
+                                     f"index 0..{NUM_CLASSES['CIFAR10'] - 1}")
         except Exception as e:  # whatever a broken pickle raises
             return path, (str(e).splitlines() or [type(e).__name__])[0][:160]
     return None
+
+
+def _load_cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
+    data = CIFAR10(str(root), train=train, transform=transform, download=download)
+    if _bad_label(data.targets) is not None:  # _broken_cifar_file names the file
+        raise ValueError("a label that is not a class index")
+    return data
 
 
 def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
     """torchvision's CIFAR-10 under ``root``. Broken extracted files are named, and extracted
     again from the archive when it lies beside them (by the process allowed to download)."""
     try:
-        return CIFAR10(str(root), train=train, transform=transform, download=download)
-    except Exception as e:  # URLError, socket errors, bad archive, broken files: one line
+        return _load_cifar10(root, train, transform, download)
+    except UserError:  # a bad archive: already one line
+        raise
+    except Exception as e:  # URLError, socket errors, broken files: one line
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
     folder, archive = Path(root) / CIFAR10.base_folder, Path(root) / CIFAR_ARCHIVE
     broken = _broken_cifar_file(folder) if folder.is_dir() else None
@@ -105,10 +182,12 @@ def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
     path, why = broken
     if download and archive.is_file():
         try:
-            extract_archive(str(archive), str(root))
-            data = CIFAR10(str(root), train=train, transform=transform, download=False)
+            extract_cifar_archive(archive, Path(root))
+            data = _load_cifar10(root, train, transform, download=False)
             print(f"{path} was broken ({why}): extracted it again from {archive}", flush=True)
             return data
+        except UserError:  # a bad archive, not extracted: that is what to fix first
+            raise
         except Exception as e2:
             why += f"; extracting {archive} again did not help: {(str(e2).splitlines() or [''])[0]}"
     raise UserError(f"{path}: a broken CIFAR-10 file ({why}). Delete {folder} and run again to "
