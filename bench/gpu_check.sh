@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: the GPU figures of the README, then the CUDA tests.
+# One call on a GPU machine: the GPU figures of the README, then every CUDA path of the
+# scripts, briefly: torchrun (NCCL) for DDP and FSDP2, DataParallel with GradScaler,
+# --resume, --tf32/--no-tf32, --compile, the three eval scripts, and the CUDA tests.
 #   bash bench/gpu_check.sh              # on the GPU (device tool: timeout_s 600)
-#   bash bench/gpu_check.sh --dry-run    # the same steps on the CPU at toy sizes (~2 min):
-#                                        # checks the script itself before GPU time is spent
+#   bash bench/gpu_check.sh --dry-run    # the same steps on the CPU at toy sizes (~7 min
+#                                        # on 2 cores): checks the script itself before GPU
+#                                        # time is spent
 # $OUT (default ./gpu_out) receives two files, as the device tool brings back at most 8:
-# summary.txt (every step's command, result lines, exit status, or why it was skipped) and
-# details.tar.gz (each step's whole output and JSON), repacked after every step.
+# summary.txt (every step's command, result lines, exit status, or why it was skipped; at
+# the end the figures as markdown tables, each step's status, and the failed steps) and
+# details.tar.gz (each step's whole output, JSON and log.jsonl), repacked after every step.
+# Checkpoints and data sets live outside what is packed and are deleted once the steps
+# that read them are over; any file over 1 MiB stays out of the archive (named in the
+# summary). The exit status is non-zero if any step failed or was skipped, or if $OUT
+# does not fit what the device tool brings back.
 # Steps run in order of importance, each under a timeout capped by what is left of
 # BUDGET seconds (default 500), so a slow step cannot cost the ones after it the call;
 # no process of a step outlives it (bench/steps.sh).
@@ -13,23 +21,36 @@
 #      bf16 / bf16+GradScaler (channels_last), DP over the visible GPUs; fp32 without TF32;
 #   2. a real run of the fastest single-device configuration of step 1: 2 epochs of 50,000
 #      generated (learnable) CIFAR-format images at 227, fast input path;
-#   3. the input pipeline alone (article PIL path, classic DataLoader with workers, fast);
-#   4. pytest -m cuda;  5. torch.compile benchmark of the fastest configuration.
+#   3. short runs (1 epoch of 2,560 generated images at 128, batch 64): DDP + GradScaler
+#      under torchrun (one process: the machine's one GPU) then eval_DDP under torchrun on
+#      its checkpoint; FSDP2 + GradScaler under torchrun, resumed to epoch 2 (optimizer
+#      shards, scaler, CUDA RNG), then eval_without with and without --autocast on its
+#      gathered checkpoints; FSDP2's MixedPrecisionPolicy; DataParallel + GradScaler,
+#      resumed, then eval_DP with and without --autocast; fp32 with --tf32 and --no-tf32;
+#   4. the input pipeline alone (article PIL path, classic DataLoader with workers, fast);
+#   5. train_autocast --compile --tf32 (227, batch 256, 10 steps);  6. pytest -m cuda;
+#   7. torch.compile benchmark of the fastest configuration.
 # Uses whatever python3 has torch (the device machine: torch 2.11, no network).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; rm -f "$OUT/summary.txt" "$OUT/details.tar.gz"
-WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
+WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)          # packed: outputs, JSON, logs
+SCRATCH=$(mktemp -d /tmp/gpu_check_data.XXXXXX)  # never packed: data sets, checkpoints
+trap 'rm -rf "$WORK" "$WORK.tar.gz" "$SCRATCH"' EXIT
+CK=$SCRATCH/ckpt
 BUDGET=${BUDGET:-500}
 export PYTHONUNBUFFERED=1
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
 if [ $DRY = 1 ]; then
-  DEV=--no-cuda; IMG=64; BS=8; STEPS="--steps 2 --warmup 1"; NTRAIN=64; NTEST=16
+  # Batches of 2: a bf16 step of AlexNet takes seconds on a CPU without native bf16.
+  DEV=--no-cuda; IMG=64; BS=2; STEPS="--steps 2 --warmup 1"; NTRAIN=16; NTEST=4
   PIPE_B=2; WORKERS=1; PEAK="--peak_tflops 1 --peak_tflops_fp32 1"; PEAK_IEEE=1
+  S_TRAIN=4; S_TEST=2; S_IMG=64; S_BS=2
 else
   # H200 datasheet, dense: fp16/bf16 989 TFLOP/s, TF32 495, fp32 67.
   DEV=--cuda; IMG=227; BS=256; STEPS="--steps 30 --warmup 10"; NTRAIN=50000; NTEST=10000
   PIPE_B=30; WORKERS=8; PEAK="--peak_tflops 989 --peak_tflops_fp32 495"; PEAK_IEEE=67
+  S_TRAIN=2560; S_TEST=512; S_IMG=128; S_BS=64  # the short runs: data, image size, batch
 fi
 source bench/steps.sh
 
@@ -69,20 +90,74 @@ BEST=${BEST:-train_autocast --channels_last}
 log "fastest single-device configuration: $BEST"
 set -- $BEST; VARIANT=$1; shift; BEST_FLAGS="$*"
 
-python3 - "$NTRAIN" "$NTEST" <<'PY'
-import sys; sys.path.insert(0, "AMP")
-from pathlib import Path
-from ampkit.machinery.measure import write_cifar10
-write_cifar10(Path("/tmp/gpu_check_cifar"), int(sys.argv[1]), int(sys.argv[2]), learnable=True)
-PY
-run real_run 150 python3 AMP/$VARIANT.py $DEV $BEST_FLAGS --dataset CIFAR10 --dataset_root /tmp/gpu_check_cifar \
-  --img_size $IMG --epochs 2 --batch_size $BS --lr 1e-4 --no-tensorboard --checkpoint "$WORK/ckpt"
-keep "$WORK/real_run.txt" 6
-cp "$WORK/ckpt/$VARIANT/log.jsonl" "$WORK/real_run.log.jsonl" 2>/dev/null; rm -rf "$WORK/ckpt"; pack
+# Two learnable CIFAR-format sets, outside WORK: the real run's and the short runs'.
+run data 60 python3 -c "import sys; sys.path.insert(0, 'AMP'); from ampkit.machinery.measure import write_cifar10 as w; \
+w('$SCRATCH/cifar', $NTRAIN, $NTEST, learnable=True); w('$SCRATCH/small', $S_TRAIN, $S_TEST, learnable=True)"
+keep "$WORK/data.txt" 2
+
+# drop NAME: a run folder's logs into WORK (packed), its checkpoints deleted.
+drop() {
+  local f
+  for f in "$CK/$1"/*/log.jsonl; do [ -f "$f" ] && cp "$f" "$WORK/$1.log.jsonl"; done
+  rm -rf "${CK:?}/$1"
+}
+
+run real_run 150 python3 AMP/$VARIANT.py $DEV $BEST_FLAGS --dataset CIFAR10 --dataset_root "$SCRATCH/cifar" \
+  --img_size $IMG --epochs 2 --batch_size $BS --lr 1e-4 --no-tensorboard --checkpoint "$CK/real_run"
+keep "$WORK/real_run.txt" 6; drop real_run
+
+# The short runs: one epoch each (two when resumed), their checkpoints read by the evals.
+S="$DEV --dataset CIFAR10 --dataset_root $SCRATCH/small --img_size $S_IMG --batch_size $S_BS --no-tensorboard"
+TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node=1"  # one GPU here
+
+c=$CK/ddp_gs/train_DDP_GradScaler
+run ddp_gs 60 $TORCHRUN AMP/train_DDP_GradScaler.py $S --channels_last --epochs 1 --checkpoint "$CK/ddp_gs"
+keep "$WORK/ddp_gs.txt" 4
+needs "$c/last.pth" eval_ddp_autocast &&
+  run eval_ddp_autocast 45 $TORCHRUN AMP/eval_DDP.py $DEV --autocast --checkpoint "$c/last.pth"
+keep "$WORK/eval_ddp_autocast.txt" 2; drop ddp_gs
+
+c=$CK/fsdp_gs/train_FSDP_GradScaler
+run fsdp_gs 60 $TORCHRUN AMP/train_FSDP_GradScaler.py $S --epochs 1 --checkpoint "$CK/fsdp_gs"
+keep "$WORK/fsdp_gs.txt" 4
+needs "$c/last.pth" fsdp_gs_resume &&
+  run fsdp_gs_resume 60 $TORCHRUN AMP/train_FSDP_GradScaler.py $S --epochs 2 --resume --checkpoint "$CK/fsdp_gs"
+keep "$WORK/fsdp_gs_resume.txt" 5
+needs "$c/last.pth" eval_without && run eval_without 45 python3 AMP/eval_without.py $DEV --checkpoint "$c/last.pth"
+keep "$WORK/eval_without.txt" 2
+needs "$c/best.pth" eval_without_autocast &&
+  run eval_without_autocast 45 python3 AMP/eval_without.py $DEV --autocast --checkpoint "$c/best.pth"
+keep "$WORK/eval_without_autocast.txt" 2; drop fsdp_gs
+
+run fsdp_mixed 60 $TORCHRUN AMP/train_FSDP_mixed.py $S --epochs 1 --checkpoint "$CK/fsdp_mixed"
+keep "$WORK/fsdp_mixed.txt" 4; drop fsdp_mixed
+
+c=$CK/dp_gs/train_DP_GradScaler
+run dp_gs 45 python3 AMP/train_DP_GradScaler.py $S --epochs 1 --checkpoint "$CK/dp_gs"
+keep "$WORK/dp_gs.txt" 4
+needs "$c/last.pth" dp_gs_resume &&
+  run dp_gs_resume 45 python3 AMP/train_DP_GradScaler.py $S --epochs 2 --resume --checkpoint "$CK/dp_gs"
+keep "$WORK/dp_gs_resume.txt" 5
+needs "$c/last.pth" eval_dp && run eval_dp 45 python3 AMP/eval_DP.py $DEV --checkpoint "$c/last.pth"
+keep "$WORK/eval_dp.txt" 2
+needs "$c/best.pth" eval_dp_autocast &&
+  run eval_dp_autocast 45 python3 AMP/eval_DP.py $DEV --autocast --checkpoint "$c/best.pth"
+keep "$WORK/eval_dp_autocast.txt" 2; drop dp_gs
+
+run train_tf32 45 python3 AMP/train_without.py $S --tf32 --epochs 1 --checkpoint "$CK/train_tf32"
+keep "$WORK/train_tf32.txt" 4; drop train_tf32
+run train_no_tf32 45 python3 AMP/train_without.py $S --no-tf32 --epochs 1 --checkpoint "$CK/train_no_tf32"
+keep "$WORK/train_no_tf32.txt" 4; drop train_no_tf32
 
 run pipeline 60 python3 AMP/benchmark.py $DEV --variants none --pipeline all --img_size $IMG \
-  --num_workers $WORKERS --batch_size $BS --pipeline_batches $PIPE_B
-keep "$WORK/pipeline.txt" 6
+  --num_workers $WORKERS --batch_size $BS --pipeline_batches $PIPE_B --json "$WORK/pipeline.json"
+keep "$WORK/pipeline.txt" 8
+
+# torch.compile in training, with the new fp32_precision API set (--tf32): the compiler must
+# not read the legacy TF32 flags then. At the benchmark's size: few, full steps.
+run train_compile 120 python3 AMP/train_autocast.py $DEV --compile --tf32 --channels_last --dataset CIFAR10 \
+  --dataset_root "$SCRATCH/small" --img_size $IMG --batch_size $BS --epochs 1 --no-tensorboard --checkpoint "$CK/train_compile"
+keep "$WORK/train_compile.txt" 4; drop train_compile
 
 run pytest_cuda 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests
 keep "$WORK/pytest_cuda.txt" 15
@@ -90,8 +165,70 @@ keep "$WORK/pytest_cuda.txt" 15
 run bench_compile 120 $B $PEAK --compile $BEST_FLAGS --variants $VARIANT \
   --json "$WORK/bench_compile.json"; keep "$WORK/bench_compile.txt" 5
 
-# What comes back: at most 8 files, none more than 2 folders down.
-files=$(find "$OUT" -type f | wc -l); deep=$(find "$OUT" -mindepth 3 -type f | wc -l)
-log "done: $files files under \$OUT ($(ls "$OUT" | tr '\n' ' ')), $deep deeper than 2 folders"
-rm -rf "$WORK"
-[ "$files" -le 8 ] && [ "$deep" -eq 0 ]
+# The figures as markdown tables, to copy into the README; each step's status.
+python3 - "$WORK" >> "$OUT/summary.txt" 2>&1 <<'PY'
+import json, pathlib, re, sys
+work = pathlib.Path(sys.argv[1])
+tsv = work / "steps.tsv"
+steps = [line.split("\t") for line in (tsv.read_text().splitlines() if tsv.exists() else [])]
+order = [s[0] for s in steps]  # the steps in the order they ran
+def ran(paths, name):
+    return sorted(paths, key=lambda p: order.index(name(p)) if name(p) in order else len(order))
+def f(x, spec):
+    return "-" if x is None else format(x, spec)
+def load(p):
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+print("\n## Figures (markdown tables, for the README)\n")
+rows = [(p.stem, s) for p in ran(work.glob("bench_*.json"), lambda p: p.stem)
+        for s in load(p).get("steps", [])]
+if rows:
+    r0 = rows[0][1]
+    print(f"Training step, synthetic batches ({r0['img_size']} px, batch {r0['batch_size']}, "
+          f"{r0['warmup']} warm-up + {r0['steps']} timed steps; benchmark.py; {r0['timer']}):\n")
+    print("| step | variant | precision | dtype / fp32 math | channels_last | compiled | step ms "
+          "| images/s | peak MB | TFLOP/s | util | status |")
+    print("|---|---|---|---|---|---|--:|--:|--:|--:|--:|---|")
+    for step, s in rows:
+        util = "-" if s.get("utilisation") is None else f"{100 * s['utilisation']:.1f}%"
+        print(f"| {step} | {s['variant']} | {s['precision']} | {s['amp_dtype'] or s['fp32_math'] or '-'} "
+              f"| {'yes' if s['channels_last'] else 'no'} | {'yes' if s['compiled'] else 'no'} "
+              f"| {f(s['step_ms'], '.1f')} | {f(s['images_per_s'], '.0f')} | {f(s['peak_mem_mb'], '.0f')} "
+              f"| {f(s['achieved_tflops'], '.1f')} | {util} | {s['status']} {s.get('reason') or ''}|")
+pipes = load(work / "pipeline.json").get("pipeline", [])
+if pipes:
+    print(f"\nInput pipeline alone ({pipes[0]['img_size']} px, batch {pipes[0]['batch_size']}):\n")
+    print("| path | dataset | workers | images/s |\n|---|---|--:|--:|")
+    for p in pipes:
+        print(f"| {p['path']} | {p['dataset']} | {p['num_workers']} | "
+              f"{f(p['images_per_s'], '.0f') if p['status'] == 'ok' else p['status']} |")
+logs = ran(work.glob("*.log.jsonl"), lambda p: p.name[:-len(".log.jsonl")])
+if logs:
+    print("\nTraining runs (their log.jsonl, one row per epoch; a resumed run continues its log):\n")
+    print("| step | epoch | train loss | val acc | images/s | train s | epoch s | peak MB | skipped steps |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for p in logs:
+        for line in p.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            print(f"| {p.name[:-len('.log.jsonl')]} | {r.get('epoch')} | {f(r.get('train_loss'), '.4f')} "
+                  f"| {f(r.get('val_acc'), '.4f')} | {f(r.get('images_per_s'), '.0f')} "
+                  f"| {f(r.get('train_time'), '.1f')} | {f(r.get('epoch_time'), '.1f')} "
+                  f"| {f(r.get('peak_mem_mb'), '.0f')} | {r.get('skipped_steps', '-')} |")
+evals = [(p.stem, m.group(0)) for p in ran(work.glob("eval_*.txt"), lambda p: p.stem)
+         for m in [re.search(r"top-1 accuracy.*", p.read_text())] if m]
+if evals:
+    print("\nEvaluations:\n\n| step | result |\n|---|---|")
+    for name, line in evals:
+        print(f"| {name} | {line} |")
+print("\nSteps:\n\n| step | exit status | seconds |\n|---|--:|--:|")
+for s in steps:
+    print("| " + " | ".join(s) + " |")
+print()
+PY
+
+finish

@@ -1,5 +1,6 @@
 """bench/gpu_check.sh's step runner (bench/steps.sh): a step stopped by its timeout leaves no
-process behind, and what comes back is one summary and one archive."""
+process behind; what comes back is one summary and one small archive (no checkpoint in it);
+a step that fails or is skipped makes the check fail, and the summary's last line names it."""
 from __future__ import annotations
 
 import os
@@ -50,6 +51,65 @@ def test_a_step_stopped_by_its_timeout_leaves_no_process(tmp_path):
         raise AssertionError("the step's detached child outlived the step")
     # What the device tool brings back: the summary and one archive of the details.
     assert sorted(p.name for p in out.iterdir()) == ["details.tar.gz", "summary.txt"]
-    assert "slow: rc=124" in (out / "summary.txt").read_text()
+    assert "slow: FAILED rc=124" in (out / "summary.txt").read_text()
     with tarfile.open(out / "details.tar.gz") as tar:
         assert "./slow.txt" in tar.getnames()
+
+
+def _steps(tmp_path, body: str, **env) -> subprocess.CompletedProcess:
+    """Run ``body`` in bash with bench/steps.sh sourced (OUT, WORK under tmp_path)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    settings = " ".join(f"{k}={v}" for k, v in {"BUDGET": 60, "MIN_STEP": 1, **env}.items())
+    script = f"OUT={out} WORK={work} {settings}; source bench/steps.sh; {body}"
+    return subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_failed_or_skipped_step_makes_the_check_fail_and_is_named_last(tmp_path):
+    res = _steps(tmp_path, 'run good 30 true; run bad 30 sh -c "exit 3"; run after 30 true; '
+                           'needs "$WORK/none.pth" eval_none && run eval_none 30 true; '
+                           'finish; echo "finish=$?"')
+    assert "finish=1" in res.stdout, res.stdout + res.stderr
+    summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert "bad: FAILED rc=3" in "\n".join(summary)
+    last = summary[-1]  # every step ran; the failed and the skipped ones are listed last
+    assert "2 steps passed" in last and "FAILED: bad(rc=3) eval_none(skipped: " in last, last
+    assert "good" not in last.split("FAILED:")[1] and "after" not in last.split("FAILED:")[1]
+
+
+def test_all_steps_passing_finish_with_status_zero(tmp_path):
+    res = _steps(tmp_path, "run one 30 true; run two 30 echo hi; finish; echo finish=$?")
+    assert "finish=0" in res.stdout, res.stdout + res.stderr
+    last = (tmp_path / "out" / "summary.txt").read_text().splitlines()[-1]
+    assert "2 steps passed; no step failed" in last and "details.tar.gz" in last, last
+
+
+def test_big_files_stay_out_of_the_archive_and_long_outputs_are_cut(tmp_path):
+    """A checkpoint left in WORK is not packed (and named in the summary); a step's long
+    output is cut to its head and tail, so it is still packed; a file under OUT bigger than
+    OUT_MAX_KB fails the check."""
+    res = _steps(tmp_path, 'head -c 300000 /dev/zero > "$WORK/last.pth"; '
+                           'run chatty 30 sh -c "yes line | head -n 100000; echo the end"; '
+                           'finish; echo "finish=$?"; '
+                           'head -c 300000 /dev/urandom > "$OUT/extra.bin"; finish; echo "finish=$?"',
+                 PACK_MAX_KB=100, OUT_MAX_KB=200)
+    assert res.stdout.count("finish=") == 2, res.stdout + res.stderr
+    first, second = [line for line in res.stdout.splitlines() if line.startswith("finish=")]
+    assert first == "finish=0" and second == "finish=1", res.stdout
+    with tarfile.open(tmp_path / "out" / "details.tar.gz") as tar:
+        names = tar.getnames()
+        chatty = tar.extractfile("./chatty.txt").read().decode()
+    assert "./last.pth" not in names and "./steps.tsv" in names
+    assert len(chatty) <= 100 * 1024 and "bytes cut ...]" in chatty
+    assert chatty.startswith("line\n") and chatty.endswith("the end\nrc=0\n")
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "left out of details.tar.gz (over 100 KiB): ./last.pth" in summary
+    assert "1 over 200 KiB" in summary.splitlines()[-1]
+
+
+def test_gpu_check_script_parses():
+    res = subprocess.run(["bash", "-n", "bench/gpu_check.sh"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
