@@ -290,11 +290,13 @@ def event_files(folder: Path) -> List[Path]:
     return sorted(folder.rglob("events.out.tfevents*")) if folder.exists() else []
 
 
-def as_a_dataparallel_replica(replica, images, run_dtype):
+def as_a_dataparallel_replica(replica, images, run_dtype, device_type="cpu"):
     """Call ``replica(images)`` as ``nn.DataParallel`` does (torch.nn.parallel.parallel_apply's
     worker): in a thread of its own, which re-enters autocast with the caller's *enabled*
     flag but its own default dtype, while the caller runs under ``run_dtype``. Returns
-    (the thread's default autocast dtype -- the control --, the replica's output)."""
+    (the thread's default autocast dtype -- the control --, the replica's output). On one
+    GPU DataParallel calls the module in the caller's thread instead, where a missing
+    re-entry would not show: this is how a test sees it there."""
     import threading
 
     import torch
@@ -303,11 +305,11 @@ def as_a_dataparallel_replica(replica, images, run_dtype):
     found = {}
 
     def worker():
-        with torch.no_grad(), torch.amp.autocast("cpu", enabled=True):
-            found["default"] = nn.Conv2d(3, 2, 3)(images).dtype
+        with torch.no_grad(), torch.amp.autocast(device_type, enabled=True):
+            found["default"] = nn.Conv2d(3, 2, 3).to(images.device)(images).dtype
             found["out"] = replica(images)
 
-    with torch.autocast("cpu", dtype=run_dtype):
+    with torch.autocast(device_type, dtype=run_dtype):
         t = threading.Thread(target=worker)
         t.start()
         t.join()

@@ -208,3 +208,20 @@ def test_fsdp_mixed_refuses_batchnorm_networks():
     net = torchvision.models.get_model("resnet18", num_classes=3)
     with pytest.raises(UserError, match="BatchNorm.*train_FSDP_autocast"):
         train_FSDP_mixed.build(Parts(CPU, net, nn.CrossEntropyLoss(), arch="resnet18"))
+
+
+def test_fsdp_takes_a_channels_last_model(group_of_one):
+    """--channels_last makes the conv weights channels_last, which fully_shard refuses
+    ("FSDP does not support non-contiguous parameters"): the FSDP2 scripts shard contiguous
+    weights and still train on channels_last inputs."""
+    import train_FSDP
+    from alexnet import alexnet
+    from ampkit.engine import Parts
+
+    torch.manual_seed(0)
+    net = alexnet(num_classes=3).to(memory_format=torch.channels_last)
+    t = train_FSDP.build(Parts(CPU, net, nn.CrossEntropyLoss()))
+    images = torch.randn(2, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    loss = t.step(images, torch.tensor([0, 2]))
+    assert torch.isfinite(loss)
+    assert type(net.features[0].weight).__name__ == "DTensor"

@@ -371,3 +371,33 @@ def test_benchmark_channels_last_reaches_the_model_and_its_inputs(monkeypatch, c
     assert r.status == "ok" and r.channels_last is channels_last and r.images_per_s > 0
     assert len(seen) == 3  # FLOP count, warm-up step, timed step
     assert seen == [(channels_last, channels_last)] * 3
+
+
+def test_benchmark_reads_nothing_back_inside_its_timed_window(monkeypatch):
+    """The loop's host read (every --log_every steps: progress bar, stop and divergence
+    checks) syncs the host with the device; none may fall inside the timed steps."""
+    import torch
+
+    from ampkit import engine
+    from ampkit.machinery import measure
+
+    timing, reads = [False], []
+    real_timed, real_check = measure._timed, engine._host_check
+
+    def timed(fn, device):
+        timing[0] = True
+        try:
+            return real_timed(fn, device)
+        finally:
+            timing[0] = False
+
+    def check(*args, **kwargs):
+        reads.append(timing[0])
+        return real_check(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "_timed", timed)
+    monkeypatch.setattr(engine, "_host_check", check)
+    r = measure.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
+                                img_size=32, warmup=0, steps=21, arch="squeezenet1_1")
+    assert r.status == "ok" and r.steps == 21
+    assert True not in reads, "a host read inside the timed window"

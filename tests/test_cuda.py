@@ -93,11 +93,16 @@ def test_training_steps_never_sync_the_host(variant, dtype):
 
 
 @pytest.mark.parametrize("dp_scope", ["model", "features"])
-def test_dataparallel_over_visible_gpus_keeps_the_amp_dtype(dp_scope):
-    """Replicas run in worker threads that get autocast's enabled flag but not its dtype:
-    bf16 (where supported) must still be bf16 on every GPU, with either --dp_scope."""
-    n = torch.cuda.device_count()
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+def test_dataparallel_replicas_keep_the_amp_dtype(dp_scope):
+    """Replicas run in worker threads that get autocast's enabled flag but not its dtype
+    (float16 by default on CUDA): bf16 must still be bf16 there, with either --dp_scope.
+    Run as a replica thread runs it, which fails on one GPU too when the re-entry is gone;
+    with several GPUs, also through DataParallel itself on every one of them."""
+    from conftest import as_a_dataparallel_replica
+
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bfloat16: nothing tells it from float16 here")
+    n, dtype = torch.cuda.device_count(), torch.bfloat16
     model = _model(None)
     seen, lock = [], threading.Lock()
 
@@ -105,18 +110,20 @@ def test_dataparallel_over_visible_gpus_keeps_the_amp_dtype(dp_scope):
         with lock:
             seen.append((output.device, output.dtype))
 
-    # conv1 runs in the replicas with either scope; fc2 too with the whole model replicated.
-    model.features[0].register_forward_hook(hook)
-    model.classifier[4].register_forward_hook(hook)
-    dp = _build("train_DP_autocast", model, str(dtype)[6:], dp_scope).model
+    model.features[0].register_forward_hook(hook)  # conv1 runs in the replicas with either scope
+    dp = _build("train_DP_autocast", model, "bfloat16", dp_scope).model
     wrapper = dp if dp_scope == "model" else dp.features
     assert wrapper.device_ids == list(range(n))
     x = torch.randn(2 * n, 3, 64, 64, device="cuda")
-    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
-        out = dp(x)
-    assert out.dtype == dtype
-    assert {d for d, _ in seen} == {torch.device("cuda", i) for i in range(n)}
-    assert all(t == dtype for _, t in seen), seen
+    default, _ = as_a_dataparallel_replica(wrapper.module, x, dtype, "cuda")
+    assert default == torch.float16  # control: the thread's own default dtype
+    assert seen == [(x.device, dtype)], seen
+    if n > 1:
+        seen.clear()
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+            assert dp(x).dtype == dtype
+        assert {d for d, _ in seen} == {torch.device("cuda", i) for i in range(n)}
+        assert all(t == dtype for _, t in seen), seen
 
 
 def test_train_dp_autocast_on_visible_gpus(tmp_path, imagefolder_root):

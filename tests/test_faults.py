@@ -378,13 +378,13 @@ def test_resume_from_another_variant_is_refused_init_from_starts_anew(imagefolde
                                                                        tmp_path, capsys):
     run_dir = _first_run(imagefolder_root, tmp_path, capsys)
     other = str(run_dir / "last.pth")
-    code, out, err = _main("train_GradScaler", _args(imagefolder_root, tmp_path / "ckpt",
-                                                     "--resume", other, "--epochs", "2"), capsys)
+    code, out, err = _main("train_DP", _args(imagefolder_root, tmp_path / "ckpt",
+                                             "--resume", other, "--epochs", "2"), capsys)
     line = _one_line(code, err)
-    assert "train_without run, this is train_GradScaler" in line and "--init_from" in line, line
-    assert not (tmp_path / "ckpt" / "train_GradScaler" / "last.pth").exists()
-    code, out, err = _main("train_GradScaler", _args(imagefolder_root, tmp_path / "ckpt",
-                                                     "--init_from", other), capsys)
+    assert "train_without run, this is train_DP" in line and "--init_from" in line, line
+    assert not (tmp_path / "ckpt" / "train_DP" / "last.pth").exists()
+    code, out, err = _main("train_DP", _args(imagefolder_root, tmp_path / "ckpt",
+                                             "--init_from", other), capsys)
     assert code == 0, err
     assert f"starting from the weights of {other}" in out and "epoch 1/1" in out, out
 

@@ -208,3 +208,40 @@ def test_amp_dtype_is_not_saved_in_the_state_dict():
         fp32, amp = AlexNet(num_classes=3), AlexNet(num_classes=3, amp_dtype=torch.bfloat16)
     assert fp32.state_dict().keys() == amp.state_dict().keys()
     assert all(v.dtype == torch.float32 for v in amp.state_dict().values())
+
+
+@pytest.mark.parametrize("flag,expected", [(True, "high True tf32"),
+                                           (False, "highest False ieee")])
+def test_tf32_flags_stay_readable_after_set_tf32(flag, expected):
+    """--tf32/--no-tf32 set TF32 so that every later reading of the matmul precision works:
+    inductor's autotuning (--compile) calls torch.get_float32_matmul_precision(), which
+    raises on torch 2.14 after torch.backends.cuda.matmul.fp32_precision is set."""
+    import subprocess
+    import sys
+
+    from conftest import AMP_DIR
+
+    code = (f"import sys; sys.path.insert(0, {str(AMP_DIR)!r}); import torch; "
+            f"from ampkit.precision import set_tf32; set_tf32({flag}); "
+            "print(torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32, "
+            "torch.backends.cudnn.conv.fp32_precision)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == expected.split()
+
+
+def test_compile_runs_the_backward_outside_autocast():
+    """The loops call backward() outside autocast; a compiled backward must too (torch's AMP
+    notes: backward_pass_autocast "off"; the default runs it under the forward's autocast)."""
+    import subprocess
+    import sys
+
+    from conftest import AMP_DIR
+
+    code = (f"import sys; sys.path.insert(0, {str(AMP_DIR)!r}); import torch; "
+            "from torch._functorch import config; from ampkit.precision import compile_in_place; "
+            "before = config.backward_pass_autocast; compile_in_place(torch.nn.Linear(2, 2)); "
+            "print(before, config.backward_pass_autocast)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["same_as_forward", "off"]

@@ -358,18 +358,21 @@ def test_eval_with_folder_without_checkpoint(tmp_path, capsys):
 # --- non-finite loss ------------------------------------------------------------------------
 
 def _nan_model_run(variant: str):
-    """The variant's own step on an AlexNet whose output is NaN, over 8 tiny batches."""
+    """The variant's own step on a small network whose output is NaN, over 8 tiny batches."""
     import importlib
 
-    from alexnet import alexnet
+    from torch import nn
+
     from ampkit.distributed import DistInfo
     from ampkit.engine import Parts
     from ampkit.precision import SkippedSteps
 
     cpu = torch.device("cpu")
-    model = alexnet(num_classes=3)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 3))
     with torch.no_grad():
-        model.classifier[-1].bias.fill_(float("nan"))
+        model[-1].bias.fill_(float("nan"))
     v = importlib.import_module(variant).build(Parts(cpu, model, torch.nn.CrossEntropyLoss(),
                                                      lr=0.0))
     gen = torch.Generator().manual_seed(0)

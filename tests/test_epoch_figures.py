@@ -1,0 +1,134 @@
+"""A figure means what its name says: an epoch's count is that epoch's, its peak that epoch's
+peak, and every epoch of every variant trains in a new order."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import clean_output
+
+CPU = torch.device("cpu")
+
+
+def _tiny_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def _run(script: str, argv: list, capsys) -> tuple:
+    import importlib
+
+    try:
+        importlib.import_module(script).main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, clean_output(out), clean_output(err)
+
+
+def _args(root, ckpt, *extra) -> list:
+    return ["--dataset", "ImageFolder", "--dataset_root", root, "--img_size", "64",
+            "--batch_size", "48", "--epochs", "2", "--no-cuda", "--no-tensorboard",
+            "--checkpoint", ckpt, "--arch", "resnet18", *extra]
+
+
+def test_skipped_steps_are_each_epochs_own():
+    """One GradScaler for the whole run: the steps it skips in an epoch are that epoch's.
+    A first scale of 2**127 and large inputs overflow the scaled gradients of the first steps
+    (5 on this project's machine), until the halved scale fits."""
+    import train_GradScaler
+    from ampkit.distributed import DistInfo
+    from ampkit.engine import Parts, train_one_epoch
+    from ampkit.precision import SkippedSteps
+
+    t = train_GradScaler.build(Parts(CPU, _tiny_net(), nn.CrossEntropyLoss()))
+    t.scaler.load_state_dict(t.scaler.state_dict() | {"scale": 2.0 ** 127})
+    gen = torch.Generator().manual_seed(0)
+    batches = [(1000 * torch.randn(4, 3, 16, 16, generator=gen),
+                torch.randint(0, 3, (4,), generator=gen)) for _ in range(12)]
+    skipped, info = SkippedSteps(t.scaler, CPU), DistInfo(device=CPU)
+    first = train_one_epoch(t.step, batches, info, max_nonfinite=None, skipped=skipped)
+    second = train_one_epoch(t.step, batches, info, max_nonfinite=None, skipped=skipped)
+    assert 1 <= first.skipped < 12, first
+    assert second.skipped == 0, "the second epoch counted the first epoch's skips"
+    assert t.scaler.get_scale() < 2.0 ** 127
+
+
+def test_peak_memory_is_each_epochs_own(imagefolder_root, tmp_path, capsys, monkeypatch):
+    """1.5 GB held for a moment in epoch 1 only: epoch 2's peak must not show it. (On a GPU
+    the same reset applies to max_memory_allocated.)"""
+    import train_without
+    from ampkit.machinery.memory import reset_peak_memory
+
+    if not reset_peak_memory(CPU):
+        pytest.skip("this system cannot reset a process's peak RSS")
+    real_build, calls = train_without.build, []
+
+    def build(parts):
+        t = real_build(parts)
+        step = t.step
+
+        def step_with_a_spike(images, targets):
+            calls.append(1)
+            if len(calls) == 1:
+                spike = torch.ones(384 * 2**20)  # 1.5 GB, written
+                del spike
+            return step(images, targets)
+
+        t.step = step_with_a_spike
+        return t
+
+    monkeypatch.setattr(train_without, "build", build)
+    code, out, err = _run("train_without", _args(imagefolder_root, tmp_path), capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in
+            (tmp_path / "train_without" / "log.jsonl").read_text().splitlines()]
+    assert [r["peak_mem_kind"] for r in rows] == ["max_rss", "max_rss"]
+    assert rows[0]["peak_mem_mb"] - rows[1]["peak_mem_mb"] > 1000, rows
+
+
+@pytest.fixture
+def torchrun_env_of_one(monkeypatch):
+    """What torchrun would set for a group of one, undone after the test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("script", ["train_without", "train_DDP"])
+def test_every_epoch_trains_in_a_new_order(script, imagefolder_root, tmp_path, capsys,
+                                           monkeypatch, torchrun_env_of_one):
+    """The DDP script's own sampler.set_epoch(epoch), and the trainer's for a one-process
+    script: without it, every epoch repeats the first one's order (the article's DDP bug)."""
+    from torch.utils.data import distributed
+
+    orders = []
+    real_iter = distributed.DistributedSampler.__iter__
+
+    def recording(self):
+        order = list(real_iter(self))
+        orders.append(order)
+        return iter(order)
+
+    monkeypatch.setattr(distributed.DistributedSampler, "__iter__", recording)
+    code, out, err = _run(script, _args(imagefolder_root, tmp_path), capsys)
+    assert code == 0, err
+    assert len(orders) == 2 and sorted(orders[0]) == sorted(orders[1]) == list(range(48))
+    assert orders[0] != orders[1], "the second epoch repeated the first one's order"
+
+
+def test_several_processes_without_a_distributed_sampler_are_refused():
+    from ampkit.machinery.datasets import one_process_sampler
+    from ampkit.machinery.errors import UserError
+
+    assert len(one_process_sampler(10, 0)) == 10
+    with pytest.raises(UserError, match="DistributedSampler"):
+        one_process_sampler(10, 0, world_size=2)
