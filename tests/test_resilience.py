@@ -117,6 +117,32 @@ def test_sigkill_during_save_keeps_previous_checkpoint(imagefolder_root, tmp_pat
 
 
 @pytest.mark.slow
+def test_second_ctrl_c_during_a_save_ends_cleanly(imagefolder_root, tmp_path):
+    """Ctrl-C stops after the step and saves; a second Ctrl-C while that save waits for a
+    write still in flight (a slow disk) ends the process at once: status 130, no C++ abort,
+    the previous last.pth intact, no temporary file left, one line saying what was saved."""
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "saving"
+    run_dir = ckpt / "train_without"
+    # Writes: epoch 1 -> last.pth (1), best.pth (2); epoch 2 -> last.pth (3), slowly.
+    cmd = [sys.executable, str(HELPER), "train_without",
+           *_tiny(imagefolder_root, ckpt, "--epochs", "6")]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, FAULT_SLOW_SAVE="3",
+                                                FAULT_MARKER=str(marker)))
+    _wait_for(marker.exists, 120, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "terminate called" not in err and "Traceback" not in err, err[-2000:]
+    line = clean_output(err).strip().splitlines()[-1]
+    assert "interrupted" in line and "holds epoch 1" in line and "epoch 2" in line, line
+    assert _load(run_dir / "last.pth")["epoch"] == 1
+    assert not list(run_dir.glob(".*.tmp")), "a temporary file was left behind"
+
+
+@pytest.mark.slow
 def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_path, capsys):
     import train_GradScaler
 

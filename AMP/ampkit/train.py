@@ -36,6 +36,7 @@ from .distributed import DistInfo, single_process_device
 from .engine import EpochStats, Parts, StopFlag, Technique, count_correct, train_one_epoch
 from .machinery import checkpoint as ckpt_io
 from .machinery.data import build_loaders, report_skipped
+from .machinery.errors import Interrupted
 from .machinery.datasets import one_process_sampler
 from .machinery.log import RunLogger, header_line, summary_line
 from .machinery.memory import memory_kind, peak_memory_mb, reset_peak_memory
@@ -117,6 +118,8 @@ class Trainer:
             r.epoch, r.step, r.best_acc, r.best_epoch
         self.logger = self.run.logger
         self.saver = SavePolicy(self.run.run_dir, args.save_every, args.epochs, self.info)
+        if r.path is not None:
+            self.saver.resumed_from(r.epoch, r.step)
         self.stop = StopFlag()
         self.signals = StopSignals(self.stop, self.logger.print)
         self.own_sampler: Optional[Sampler] = None
@@ -140,6 +143,8 @@ class Trainer:
             self.run.close(finished)
         if code:
             sys.exit(code)
+        if exc_type is KeyboardInterrupt:  # a second Ctrl-C: say what was saved, and go
+            raise Interrupted(*self.saver.abandon()) from None
 
     def start(self, build: Callable[[Parts], Technique],
               sampler: Optional[Sampler[int]] = None) -> Technique:
@@ -198,7 +203,7 @@ class Trainer:
             self.logger.print(profiler.report())
         if stats.stopped_at is not None:  # saved mid-epoch: --resume continues at that step
             self.saver.save(partial(self._state, t, epoch, stats.stopped_at, None), epoch,
-                            is_best=False, now=True)
+                            is_best=False, now=True, step=stats.stopped_at)
             self.stopped_at = (epoch, stats.stopped_at)
             return
         self._end_epoch(t, epoch, stats, lr, t0, dp, reset)

@@ -8,12 +8,15 @@ Environment:
   FAULT_MARKER=PATH      ... and only once: the marker file records that it happened.
   FAULT_KILL_IN_SAVE=N   SIGKILL this process half-way through writing its N-th checkpoint file
                          (saying on stderr which thread was writing it).
+  FAULT_SLOW_SAVE=N      the N-th checkpoint file is written slowly (a slow disk): half of it,
+                         then FAULT_MARKER is created, and the write goes on 60 s later.
 """
 import importlib
 import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "AMP"))
@@ -22,6 +25,7 @@ import torch  # noqa: E402
 
 exit_at = int(os.environ.get("FAULT_EXIT_AT_STEP", "0"))
 kill_in_save = int(os.environ.get("FAULT_KILL_IN_SAVE", "0"))
+slow_save = int(os.environ.get("FAULT_SLOW_SAVE", "0"))
 marker = Path(os.environ.get("FAULT_MARKER", "/nonexistent/marker"))
 steps = saves = 0
 
@@ -38,18 +42,22 @@ if exit_at and int(os.environ.get("RANK", "0")) == int(os.environ.get("FAULT_RAN
 
     torch.optim.AdamW.step = step
 
-if kill_in_save:
+if kill_in_save or slow_save:
     original_save = torch.save
 
     def save(obj, f, *args, **kwargs):
         global saves
         saves += 1
-        if saves == kill_in_save:
+        if saves in (kill_in_save, slow_save):
             f.write(b"PK\x03\x04 half a checkpoint")
             f.flush()
+        if saves == kill_in_save:
             print(f"killed in save {saves} on thread {threading.current_thread().name}",
                   file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if saves == slow_save:
+            marker.touch()
+            time.sleep(60)
         return original_save(obj, f, *args, **kwargs)
 
     torch.save = save  # looked up by ampkit.machinery.checkpoint.atomic_save at call time

@@ -248,20 +248,32 @@ class BackgroundWriter:
     mid-write leaves the previous file, as every write is atomic.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, landed: str = "") -> None:
         self._thread: Optional[threading.Thread] = None
+        self._done = threading.Event()
+        self._done.set()
         self._error: Optional[BaseException] = None
         self.write_seconds: Optional[float] = None  # duration of the last finished write
+        self.landed = landed  # the label of the last first file written in full
 
-    def submit(self, files: List[Tuple[Any, Path]]) -> None:
+    def submit(self, files: List[Tuple[Any, Path]], label: str = "") -> None:
         """Start writing ``files`` (snapshots) in this order, once the previous save is done.
-        A save that cannot fit on its disk fails here, in the caller's thread, at once."""
+        A save that cannot fit on its disk fails here, in the caller's thread, at once.
+        ``label`` says what the first file holds, for :attr:`landed`."""
         self.wait()
         for obj, path in files:
             spare = path.with_name(f".{path.name}.spare")
             check_space(obj, path, spare if spare.is_file() else None)
-        self._thread = threading.Thread(target=self._write, args=(files,), name="checkpoint")
+        self._done.clear()
+        self._thread = threading.Thread(target=self._write, args=(files, label),
+                                        name="checkpoint")
         self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """A save is being written right now. (Not ``Thread.is_alive``: after a join that a
+        KeyboardInterrupt cut short, Python 3.11 may call a running thread dead.)"""
+        return not self._done.is_set()
 
     def wait(self) -> float:
         """Wait for the save in flight, if any; the seconds waited."""
@@ -274,14 +286,18 @@ class BackgroundWriter:
             raise error
         return time.perf_counter() - t0
 
-    def _write(self, files: List[Tuple[Any, Path]]) -> None:
+    def _write(self, files: List[Tuple[Any, Path]], label: str) -> None:
         t0 = time.perf_counter()
         try:
-            for obj, path in files:
+            for i, (obj, path) in enumerate(files):
                 atomic_save(obj, path, spare=True)
+                if i == 0:
+                    self.landed = label
         except BaseException as e:  # raised in the training thread by the next wait()
             self._error = e
-        self.write_seconds = time.perf_counter() - t0
+        finally:
+            self.write_seconds = time.perf_counter() - t0
+            self._done.set()
 
 
 def load(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:

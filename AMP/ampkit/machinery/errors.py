@@ -25,6 +25,15 @@ class RankError(UserError):
     every_rank = True
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C twice: what was and was not saved; ``now``: a checkpoint write was cut short,
+    and the process ends at once (Python must not finalize under a running torch.save)."""
+
+    def __init__(self, saved: str = "", now: bool = False) -> None:
+        super().__init__(saved)
+        self.now = now
+
+
 # How a collective fails when another process of the group has died (gloo's and NCCL's words).
 _LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Connection refused|"
                         r"NCCL communicator was aborted|remote process exited|"
@@ -69,8 +78,11 @@ def report_user_errors(main: Callable) -> Callable:
                 who = f"rank {_rank()}: " if e.every_rank and _several() else ""
                 print(f"{prog}: error: {who}{e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
-        except KeyboardInterrupt:
-            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        except KeyboardInterrupt as e:
+            print(f"{prog}: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr,
+                  flush=True)
+            if getattr(e, "now", False):
+                os._exit(130)
             sys.exit(130)
         except RuntimeError as e:
             reason = lost_peer(e) if _several() else None

@@ -53,6 +53,7 @@ class SavePolicy:
         self.run_dir, self.epochs, self.info = run_dir, epochs, info
         self.every_epochs, self.every_seconds = parse_interval(save_every)
         self.writer = ckpt_io.BackgroundWriter()
+        self.writing = ""  # what the last save submitted holds
         self.snapshots = {"last": ckpt_io.Snapshot(), "best": ckpt_io.Snapshot()}
         self.pending_best: Optional[Dict[str, Any]] = None
         self.last_save = time.perf_counter()
@@ -63,10 +64,16 @@ class SavePolicy:
                     or (self.every_epochs and epoch % self.every_epochs == 0)
                     or (self.every_seconds and self._time_to_save()))
 
-    def save(self, make_state, epoch: int, is_best: bool, now: bool = False) -> Dict[str, float]:
-        """Save after ``epoch`` epochs: ``make_state(resume)`` makes the content (every rank
-        calls it). ``now``: a stop, which also waits for the write. Returns the save's
-        timing for the epoch's log row (rank 0)."""
+    def resumed_from(self, epoch: int, step: int) -> None:
+        """A resumed run: its last.pth holds what it was resumed from."""
+        self.writer.landed = _describe(epoch, step)
+
+    def save(self, make_state, epoch: int, is_best: bool, now: bool = False,
+             step: int = 0) -> Dict[str, float]:
+        """Save after ``epoch`` epochs (and ``step`` steps of the next, at a stop):
+        ``make_state(resume)`` makes the content (every rank calls it). ``now``: a stop,
+        which also waits for the write. Returns the save's timing for the epoch's log row
+        (rank 0)."""
         due = self.due(epoch, now)
         if not (is_best or due):
             return {}
@@ -87,7 +94,8 @@ class SavePolicy:
                     else [])
             self.pending_best = None
             self.writer.submit([(self.snapshots["last"].take(state),
-                                 self.run_dir / ckpt_io.LAST)] + best)
+                                 self.run_dir / ckpt_io.LAST)] + best, _describe(epoch, step))
+            self.writing = _describe(epoch, step)
             if now:
                 self.writer.wait()
         timing["save_snapshot_s"] = time.perf_counter() - t0
@@ -103,3 +111,22 @@ class SavePolicy:
         self.writer.wait()
         if self.info.is_main:
             ckpt_io.remove_spares(self.run_dir)
+
+    def abandon(self) -> tuple:
+        """A second Ctrl-C: (what was and was not saved, in words; whether a write was cut
+        short). A write in flight cannot be stopped, and Python must not finalize while
+        torch.save runs in its thread (the C++ runtime aborts): its temporary and spare
+        files are removed now, and the caller ends the process at once."""
+        if not self.info.is_main:
+            return "", False
+        path, holds = self.run_dir / ckpt_io.LAST, self.writer.landed
+        if self.writer.busy:
+            ckpt_io.remove_stale_temps(self.run_dir)
+            return ((f"{path} still holds {holds}" if holds else f"no {path} was written")
+                    + f"; the save of {self.writing} was cut short and not kept", True)
+        return (f"{path} holds {holds}; nothing after it was saved" if holds
+                else "nothing was saved"), False
+
+
+def _describe(epoch: int, step: int) -> str:
+    return f"epoch {epoch}" + (f" and {step} steps of the next" if step else "")
