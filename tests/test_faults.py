@@ -410,6 +410,33 @@ def test_resume_with_another_global_batch_is_refused(imagefolder_root, tmp_path,
     assert "a global batch of 48 x 1 processes (this run: 16 x 1)" in _one_line(code, err)
 
 
+def _log_lrs(run_dir: Path) -> list:
+    return [json.loads(line)["lr"] for line in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def test_resume_says_which_flags_changed_and_which_learning_rate_wins(imagefolder_root,
+                                                                      tmp_path, capsys):
+    """--resume with other flags: each one that differs is named in one line, and this run's
+    value is used. The learning rate: --lr on the command line sets the optimizer's; without
+    it, the optimizer goes on at its saved one, and the line says that too."""
+    run_dir = _first_run(imagefolder_root, tmp_path, capsys)  # lr 1e-4 (the default)
+    code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt", "--resume",
+                                                  "--epochs", "2", "--lr", "5e-3"), capsys)
+    assert code == 0, err
+    changed = [ln for ln in out.splitlines() if "differ from the checkpoint" in ln]
+    assert len(changed) == 1 and "--epochs 2 (was 1)" in changed[0], out
+    assert "--lr 0.005" in changed[0] and "0.0001" in changed[0], changed
+    assert _log_lrs(run_dir) == [pytest.approx(1e-4), pytest.approx(5e-3)]
+    # Without --lr, the saved 5e-3 goes on (not the default 1e-4), and the line says why.
+    code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt", "--resume",
+                                                  "--epochs", "3"), capsys)
+    assert code == 0, err
+    changed = [ln for ln in out.splitlines() if "differ from the checkpoint" in ln]
+    assert len(changed) == 1 and "--lr not given" in changed[0] and "0.005" in changed[0], out
+    assert "--epochs 3 (was 2)" in changed[0], changed
+    assert _log_lrs(run_dir)[-1] == pytest.approx(5e-3)
+
+
 def test_resume_of_a_missing_file_names_the_flag(imagefolder_root, tmp_path, capsys):
     code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt", "--resume",
                                                   "/nonexistent.pth"), capsys)

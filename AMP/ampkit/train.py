@@ -117,9 +117,7 @@ class Trainer:
         self.epoch, self.step, self.best_acc, self.best_epoch = \
             r.epoch, r.step, r.best_acc, r.best_epoch
         self.logger = self.run.logger
-        self.saver = SavePolicy(self.run.run_dir, args.save_every, args.epochs, self.info)
-        if r.path is not None:
-            self.saver.resumed_from(r.epoch, r.step)
+        self.saver = SavePolicy(self.run.run_dir, args.save_every, args.epochs, self.info, r)
         self.stop = StopFlag()
         self.signals = StopSignals(self.stop, self.logger.print)
         self.own_sampler: Optional[Sampler] = None
@@ -160,12 +158,10 @@ class Trainer:
         # Over the script's optimizer (FSDP2 scripts: made after sharding, over the shards).
         self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max",
                                                                     patience=3)
-        load_states(self.run.resumed, t, self.scheduler)
+        changed = load_states(self.run.resumed, t, self.scheduler, args)
         if args.compile:
             compile_in_place(t.model)
-        start = where_it_starts(self.run.resumed, args)
-        if start:
-            self.logger.print(start)
+        self.logger.print(where_it_starts(self.run.resumed, args, changed))
         self.skipped = SkippedSteps(t.scaler, parts.device)
         self.signals.install()
         self.logger.print(header_line(args, info, t, self.run.data, self.run.fp32_math))

@@ -189,8 +189,9 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
     the script's name."""
     from .errors import UserError
 
-    args = train_parser(variant, process_group, doc).parse_args(
-        sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = train_parser(variant, process_group, doc).parse_args(argv)
+    args.given = given_flags(train_parser(variant, process_group, doc), argv)
     _check_common(args)
     if args.epochs <= 0:
         raise UserError(f"--epochs must be a positive integer, got {args.epochs}")
@@ -212,9 +213,20 @@ def parse_eval_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Opt
     return args
 
 
+def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozenset:
+    """The flags (their ``dest``) that ``argv`` gives, as opposed to those left at their
+    defaults: ``argv`` parsed again with every default suppressed, so that abbreviations
+    and ``--flag=value`` count as they do in the real parse."""
+    for action in parser._actions:  # argparse has no public list of its actions
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(argv)))
+
+
 def args_to_plain(args: argparse.Namespace) -> dict:
-    """The run's arguments as plain data (str/int/float/bool/None): safe to store in a checkpoint."""
-    out = {}
-    for k, v in vars(args).items():
-        out[k] = str(v) if isinstance(v, Path) else v
-    return out
+    """The run's arguments as plain data (str/int/float/bool/None): safe to store in a
+    checkpoint (which of them the command line gave is not stored)."""
+    return {k: plain(v) for k, v in vars(args).items() if k != "given"}
+
+
+def plain(value):
+    return str(value) if isinstance(value, Path) else value

@@ -34,7 +34,8 @@ class RunLogger:
         self.jsonl = None
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_main:
+        """Print on rank 0 (a lone None: nothing to say)."""
+        if self.is_main and args != (None,):
             print(*args, **kwargs, flush=True)
 
     def warn(self, message: Optional[str]) -> None:

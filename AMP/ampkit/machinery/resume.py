@@ -42,7 +42,7 @@ def resume_mismatches(state: dict, args, world_size: int) -> List[str]:
     trained, diffs, variant = state.get("args") or {}, [], args.variant
     if state.get("variant", variant) != variant:
         diffs.append(f"it is a {state['variant']} run, this is {variant}")
-    for key in ("dataset", "img_size"):
+    for key in ("dataset", "img_size", "arch"):
         if key in trained and trained[key] != getattr(args, key):
             diffs.append(f"--{key} {trained[key]} (this run: {getattr(args, key)})")
     root = trained.get("dataset_root")
@@ -68,6 +68,7 @@ class Resumed:
     best_acc: float = -1.0
     best_epoch: int = -1
     states: Dict[str, Any] = field(default_factory=dict)  # optimizer, scheduler, scaler
+    trained: Dict[str, Any] = field(default_factory=dict)  # the checkpoint's run's flags
 
 
 def load_resume(path: Path, args, model: nn.Module, device: torch.device,
@@ -90,29 +91,61 @@ def load_resume(path: Path, args, model: nn.Module, device: torch.device,
             torch.cuda.set_rng_state(state["rng"]["cuda"], device)
     return Resumed(path, int(state["epoch"]), int(state.get("step", 0)),
                    float(state.get("best_acc", -1.0)), int(state.get("best_epoch", -1)),
-                   {k: state.get(k) for k in ("optimizer", "scheduler", "scaler")})
+                   {k: state.get(k) for k in ("optimizer", "scheduler", "scaler")},
+                   state.get("args") or {})
 
 
-def load_states(resumed: Resumed, technique, scheduler) -> None:
+def load_states(resumed: Resumed, technique, scheduler, args) -> str:
     """The optimizer's (FSDP2: sharded again), LR schedule's and GradScaler's saved states,
-    into the objects the script's ``build()`` made."""
+    into the objects the script's ``build()`` made. Returns what this run changes against
+    the checkpoint's run, in words ("" for nothing): see :func:`changes`."""
     if not resumed.states:
-        return
+        return ""
     ckpt_io.load_optimizer_state(technique.optimizer, resumed.states["optimizer"],
                                  technique.model)
     scheduler.load_state_dict(resumed.states["scheduler"])
     if technique.scaler is not None and resumed.states["scaler"]:
         technique.scaler.load_state_dict(resumed.states["scaler"])
     resumed.states = {}
+    return changes(resumed.trained, args, technique.optimizer)
 
 
-def where_it_starts(resumed: Resumed, args) -> Optional[str]:
-    """The line that says where a resumed run, or one started from weights, begins."""
+# Refused when they differ (resume_mismatches), or not flags of the run: not named again.
+NOT_COMPARED = {"dataset", "dataset_root", "img_size", "arch", "variant", "resume", "init_from",
+                "given", "lr"}
+
+
+def changes(trained: Dict[str, Any], args, optimizer: torch.optim.Optimizer) -> str:
+    """Every flag of this run that differs from the checkpoint's run, in one line; this run's
+    value is used. The learning rate lives in the optimizer's saved state (the LR schedule
+    may have lowered it): ``--lr`` on the command line sets it, else it goes on as saved."""
+    from .config import plain
+
+    now = {key: plain(value) for key, value in vars(args).items() if key not in NOT_COMPARED}
+    notes = [f"--{key} {now[key]} (was {then})" for key, then in sorted(trained.items())
+             if key in now and now[key] != then]
+    saved_lr = optimizer.param_groups[0]["lr"]
+    if "lr" in args.given and args.lr != saved_lr:
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr
+        notes.append(f"--lr {args.lr:g} (the optimizer was at {saved_lr:g}: now at {args.lr:g})")
+    elif "lr" not in args.given and trained.get("lr", args.lr) != args.lr:
+        notes.append(f"--lr not given: the optimizer goes on at its saved {saved_lr:g} (the run "
+                     f"was started with --lr {trained['lr']:g}; give --lr to set it)")
+    if not notes:
+        return ""
+    return "flags that differ from the checkpoint's run (this run's are used): " + "; ".join(notes)
+
+
+def where_it_starts(resumed: Resumed, args, changed: str = "") -> Optional[str]:
+    """The lines that say where a resumed run, or one started from weights, begins, and
+    (``changed``) what it changes against the checkpoint's run; None for a new run."""
     if resumed.path is not None and resumed.epoch >= args.epochs:
         return (f"{args.variant}: {resumed.path} has already trained {resumed.epoch} of "
                 f"--epochs {args.epochs}; nothing to do (raise --epochs to train on)")
     if resumed.path is not None:
-        return f"resumed from {resumed.path}: epoch {resumed.epoch + 1}, step {resumed.step}"
+        return (f"resumed from {resumed.path}: epoch {resumed.epoch + 1}, step {resumed.step}"
+                + (f"\n{changed}" if changed else ""))
     if args.init_from is not None:
         return f"starting from the weights of {args.init_from} (epoch 1, a new optimizer)"
     return None

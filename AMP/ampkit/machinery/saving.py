@@ -49,10 +49,14 @@ def checkpoint_state(technique, scheduler, args, info: DistInfo, counters: Dict[
 class SavePolicy:
     """Decides when to write last.pth and best.pth, and hands them to the background writer."""
 
-    def __init__(self, run_dir: Path, save_every: str, epochs: int, info: DistInfo) -> None:
+    def __init__(self, run_dir: Path, save_every: str, epochs: int, info: DistInfo,
+                 resumed=None) -> None:
+        """``resumed``: where a resumed run's last.pth stands (a ``resume.Resumed``)."""
         self.run_dir, self.epochs, self.info = run_dir, epochs, info
         self.every_epochs, self.every_seconds = parse_interval(save_every)
-        self.writer = ckpt_io.BackgroundWriter()
+        landed = (_describe(resumed.epoch, resumed.step)
+                  if resumed is not None and resumed.path is not None else "")
+        self.writer = ckpt_io.BackgroundWriter(landed)
         self.writing = ""  # what the last save submitted holds
         self.snapshots = {"last": ckpt_io.Snapshot(), "best": ckpt_io.Snapshot()}
         self.pending_best: Optional[Dict[str, Any]] = None
@@ -63,10 +67,6 @@ class SavePolicy:
         return bool(now or epoch == self.epochs
                     or (self.every_epochs and epoch % self.every_epochs == 0)
                     or (self.every_seconds and self._time_to_save()))
-
-    def resumed_from(self, epoch: int, step: int) -> None:
-        """A resumed run: its last.pth holds what it was resumed from."""
-        self.writer.landed = _describe(epoch, step)
 
     def save(self, make_state, epoch: int, is_best: bool, now: bool = False,
              step: int = 0) -> Dict[str, float]:
