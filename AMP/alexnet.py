@@ -8,7 +8,7 @@ below re-enters autocast inside ``forward`` with the dtype chosen at run time
 (``model.amp_dtype``) and the device type of the input, in every thread.
 
 The training scripts apply the same decorator to whatever DataParallel replicates, for any
-``--arch`` (``ampkit.models.autocast_in_replicas``: the whole model, or only
+``--arch`` (``ampkit.models.autocast_replicas``: the whole model, or only
 ``model.features`` with ``--dp_scope features``), so they leave ``amp_dtype`` at None here.
 
 ``amp_dtype = None`` leaves the caller's precision untouched (fp32 variants).

@@ -10,8 +10,10 @@ precision objects and step) run by the training loop (ampkit.engine.train_one_ep
 over --steps synthetic batches already on the device, after --warmup steps that are not
 counted; timed with CUDA events on a GPU (perf_counter on the CPU). Reports step time,
 images/s, peak memory, FLOPs per step (torch.utils.flop_counter) and, with
---peak_tflops (per device), the utilisation. DDP variants run as a one-process group
-(the DDP machinery on one device; multi-process runs are what compare.py measures).
+--peak_tflops (per device), the utilisation. DDP and FSDP2 variants run as a one-process
+group, or under torchrun in its group (then they alone, and rank 0 prints):
+
+    torchrun --nproc_per_node=2 AMP/benchmark.py --variants train_DDP --accum_steps 4
 
 Input pipeline: images/s delivered to the device at --img_size by the article's PIL
 path, the classic DataLoader path (ampkit.machinery.data) and the fast device path
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +32,7 @@ from typing import List, Optional
 
 from ampkit.machinery.config import AMP_DTYPES, DATA_DIR, Parser, check_arch_flags
 from ampkit.machinery.errors import UserError
-from ampkit.machinery.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
+from ampkit.machinery.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
 
 PIPELINES = {"all": ["article", "classic", "fast"], "both": ["classic", "fast"],
              "article": ["article"], "classic": ["classic"], "fast": ["fast"], "none": []}
@@ -71,6 +74,24 @@ def build_parser() -> Parser:
                         "happens in the warm-up steps")
     p.add_argument("--dp_scope", choices=("model", "features"), default="model",
                    help="DataParallel wraps the whole model or only model.features (as in training)")
+    p.add_argument("--accum_steps", type=int, default=1, metavar="K",
+                   help="micro-batches of --batch_size per optimizer step (as in training); "
+                        "--steps counts optimizer steps")
+    p.add_argument("--keep_sync", action="store_true",
+                   help="with --accum_steps, DDP all-reduces every micro-batch (no no_sync): "
+                        "what no_sync saves")
+    _add_pipeline_flags(p)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each variant's timing, record 5 more steps with torch.profiler: "
+                        "a trace per variant in results/profile-<time>/ (open it in "
+                        "https://ui.perfetto.dev) and the top operators printed")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p
+
+
+def _add_pipeline_flags(p: Parser) -> None:
     p.add_argument("--pipeline", choices=list(PIPELINES), default="both",
                    help="input paths to measure: 'all' adds the article's PIL path to the "
                         "classic and fast ones ('both')")
@@ -85,14 +106,6 @@ def build_parser() -> Parser:
     p.add_argument("--repeat", type=int, default=1,
                    help="measure each input path this many times (interleaved), keep the best: "
                         "steadier figures on a shared machine")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--profile", action="store_true",
-                   help="after each variant's timing, record 5 more steps with torch.profiler: "
-                        "a trace per variant in results/profile-<time>/ (open it in "
-                        "https://ui.perfetto.dev) and the top operators printed")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    return p
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -111,7 +124,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"unknown variant(s) {', '.join(unknown)}; choose from "
                     f"{', '.join(TRAIN_VARIANTS)} or 'none'")
     args.variant_list = names
-    for flag in ("batch_size", "steps", "num_classes", "pipeline_batches", "repeat"):
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: its group
+    if args.world_size > 1:
+        alone = [v for v in names if TRAIN_VARIANTS[v][0] not in DISTRIBUTED]
+        if alone:
+            p.error(f"under torchrun only the DDP and FSDP variants run (not {', '.join(alone)})")
+        args.pipeline = "none"
+    for flag in ("batch_size", "steps", "num_classes", "pipeline_batches", "repeat",
+                 "accum_steps"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag} must be a positive integer")
     if args.warmup < 0:
@@ -139,6 +159,8 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
 
     results = []
     ddp = measure.DDPGroup(device.type == "cuda")
+    if args.world_size > 1:
+        device = ddp.get().device  # this process's own (cuda:LOCAL_RANK under torchrun)
     try:
         for variant in args.variant_list:
             try:
@@ -149,7 +171,8 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
                     peak_tflops=args.peak_tflops,
                     peak_tflops_fp32=args.peak_tflops_fp32, fp32_math=fp32_math, ddp=ddp,
                     channels_last=args.channels_last, compile=args.compile,
-                    dp_scope=args.dp_scope,
+                    dp_scope=args.dp_scope, accum_steps=args.accum_steps,
+                    keep_sync=args.keep_sync,
                     profile=args.profile_dir / f"trace_{variant}.json" if args.profile else None)
                 print(f"  {variant}: {r.step_ms:.1f} ms/step, {r.images_per_s:.1f} images/s",
                       flush=True)
@@ -173,6 +196,9 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     import torch
+
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 alone prints and writes
+        sys.stdout, args.json = open(os.devnull, "w"), None
 
     from ampkit.machinery import measure
     from ampkit.machinery.data import default_workers

@@ -18,7 +18,7 @@ needed: there are no gradients to synchronise, only the counts. `--help` lists t
 import torch
 import torch.distributed as dist
 
-from ampkit.distributed import GROUP_TIMEOUT, elastic_store, process_device, torchrun_env
+from ampkit.distributed import GROUP_TIMEOUT, elastic_store, torchrun_env
 from ampkit.evaluate import Evaluation
 from ampkit.machinery.config import parse_eval_args
 from ampkit.machinery.errors import report_user_errors
@@ -27,14 +27,12 @@ from ampkit.machinery.errors import report_user_errors
 @report_user_errors  # after an error, also leaves the process group
 def main(argv=None):
     args = parse_eval_args("eval_DDP", argv, __doc__, process_group=True)
-    rank, local_rank, world_size = torchrun_env()  # plain python: a group of one
-    device = process_device(args.cuda, local_rank)  # cuda:LOCAL_RANK, or the CPU
+    rank, world_size, device = torchrun_env(args.cuda)  # device: cuda:LOCAL_RANK, or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank would use GPU 0
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, store=elastic_store(rank, world_size),
-                            timeout=GROUP_TIMEOUT,
-                            device_id=device if device.type == "cuda" else None)
+                            timeout=GROUP_TIMEOUT, device_id=device.index)  # None on the CPU
     ev = Evaluation(args, device)  # checkpoint, test split, model with its weights
     shard = range(rank, ev.test_size, world_size)  # every world_size-th image, from `rank` on
     counts = ev.count_correct(ev.model, shard)  # tensor([correct, seen]) of this shard

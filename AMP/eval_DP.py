@@ -7,7 +7,7 @@ The checkpoint holds the bare model's weights: they are loaded into the model fi
 model is wrapped afterwards (the article loaded a `module.`-prefixed state into it again at
 every batch). Without CUDA, DataParallel just calls the model. With --autocast, the model
 re-enters autocast with the run's dtype in each replica thread, for any --arch
-(autocast_in_replicas, ampkit/models.py), as autocast state is thread-local. `--help` lists
+(autocast_replicas, ampkit/models.py), as autocast state is thread-local. `--help` lists
 the flags.
 """
 from torch import nn

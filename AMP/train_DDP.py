@@ -12,9 +12,9 @@ DDP's recipe, every step in main() and build() [the article's bugs]:
 1. one process per GPU, in a process group from torchrun's environment (RANK, LOCAL_RANK,
    WORLD_SIZE): torch.cuda.set_device before any CUDA work, then init_process_group, NCCL
    on GPUs and gloo on the CPU [rank and address by hand, gloo on GPUs too, no set_device];
-2. DistributedDataParallel(model, device_ids=[LOCAL_RANK]): each process holds a whole
-   replica, and backward() averages the gradients over the processes (all-reduce, in
-   buckets, overlapped with the rest of backward) [wrapped, then moved, no device_ids];
+2. DistributedDataParallel(model), the model already on its device: each process holds a
+   whole replica, and backward() averages the gradients over the processes (all-reduce,
+   in buckets, overlapped with the rest of backward) [wrapped first, moved to the GPU after];
 3. DistributedSampler: each process its own share of the data; sampler.set_epoch(epoch)
    every epoch [never called: every epoch repeated the first one's order];
 4. global rank 0 alone writes, the unwrapped module's weights (machinery/saving.py)
@@ -22,6 +22,8 @@ DDP's recipe, every step in main() and build() [the article's bugs]:
 5. the loss and the accuracy summed over the processes by all_reduce [each rank divided
    its own count by the whole test set];
 6. destroy_process_group at the end [never called].
+With --accum_steps: every micro-batch but the step's last inside model.no_sync(), its
+forward too (DDP arms the all-reduce in forward): one all-reduce per step.
 
 No thread and no per-step copy of the model, as DataParallel has: DDP is the default way
 to use several GPUs, on one node or many.
@@ -31,12 +33,13 @@ processes at 64 train on 128 images a step).
 The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
 `python AMP/train_DDP.py --help` lists the flags.
 """
+import contextlib
+
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from ampkit.distributed import GROUP_TIMEOUT, elastic_store, process_device, torchrun_env
+from ampkit.distributed import GROUP_TIMEOUT, elastic_store, torchrun_env
 from ampkit.engine import Parts, Technique
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
@@ -44,19 +47,28 @@ from ampkit.train import Trainer
 
 
 def build(parts: Parts) -> Technique:
-    # 2. A whole replica per process (on its GPU, cuda:LOCAL_RANK, or the CPU); backward()
-    # averages the gradients over the processes.
-    model = DistributedDataParallel(
-        parts.model, device_ids=[parts.device.index] if parts.device.type == "cuda" else None)
+    model = parts.model  # on this process's device: cuda:LOCAL_RANK, or the CPU
+    # 2. A whole replica per process; backward() averages the gradients over them.
+    model = DistributedDataParallel(model)  # device_ids: the model's own device
     criterion = parts.criterion
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
 
-    def train_step(images, targets):
-        loss = criterion(model(images), targets)
+    def forward_backward(images, targets, weight):  # one micro-batch, its share of the step
+        loss = criterion(model(images), targets) * weight
+        loss.backward()  # adds its gradients to the step's
+        return loss.detach()
+
+    def train_step(window):  # one optimizer step over --accum_steps micro-batches
+        n = sum(len(y) for _, y in window)  # its images (fewer at an epoch's end)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP all-reduces them
+        loss = 0.0
+        for i, (x, y) in enumerate(window):
+            # All but the last inside no_sync, forward too: one all-reduce a step.
+            with model.no_sync() if i < len(window) - 1 else contextlib.nullcontext():
+                loss += forward_backward(x, y, len(y) / n)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
         optimizer.step()
-        return loss
+        return loss, norm
 
     return Technique(model, optimizer, train_step)
 
@@ -65,14 +77,12 @@ def build(parts: Parts) -> Technique:
 def main(argv=None):
     args = parse_train_args("train_DDP", argv, __doc__, process_group=True)
     # 1. One process per device, in a process group from torchrun's environment.
-    rank, local_rank, world_size = torchrun_env()  # plain python: a group of one
-    device = process_device(args.cuda, local_rank)  # cuda:LOCAL_RANK, or the CPU
+    rank, world_size, device = torchrun_env(args.cuda)  # device: cuda:LOCAL_RANK, or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank would use GPU 0
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                            world_size=world_size, store=elastic_store(rank, world_size),
-                            timeout=GROUP_TIMEOUT,
-                            device_id=device if device.type == "cuda" else None)
+    torch.distributed.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+        store=elastic_store(rank, world_size), timeout=GROUP_TIMEOUT, device_id=device.index)
     with Trainer(args, device) as trainer:  # run folder, data, model, resumed state
         # 3. Each process trains on its own share of the data.
         sampler = DistributedSampler(trainer.train_set, shuffle=True, seed=args.seed)
@@ -82,7 +92,7 @@ def main(argv=None):
             # 4-5: rank 0 alone saves, the unwrapped weights (machinery/saving.py); loss and
             # accuracy are summed over the ranks by all_reduce (engine.py, train.py)
             trainer.train_epoch(technique, epoch)
-    dist.destroy_process_group()  # 6. leave the group
+    torch.distributed.destroy_process_group()  # 6. leave the group
 
 
 if __name__ == "__main__":

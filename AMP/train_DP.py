@@ -19,7 +19,6 @@ The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.trai
 `python AMP/train_DP.py --help` lists the flags.
 """
 import torch
-from torch import nn
 
 from ampkit.engine import Parts, Technique
 from ampkit.machinery.config import parse_train_args
@@ -30,18 +29,26 @@ from ampkit.train import Trainer
 def build(parts: Parts) -> Technique:
     model = parts.model
     if parts.dp_scope == "features":
-        model.features = nn.DataParallel(model.features)  # the conv layers only
+        model.features = torch.nn.DataParallel(model.features)  # the conv layers only
     else:
-        model = nn.DataParallel(model)  # all visible GPUs; the batch is split between them
+        model = torch.nn.DataParallel(model)  # all visible GPUs; each batch split over them
     criterion = parts.criterion
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
 
-    def train_step(images, targets):
-        loss = criterion(model(images), targets)
+    def forward_backward(images, targets, weight):  # one micro-batch, its share of the step
+        loss = criterion(model(images), targets) * weight
+        loss.backward()  # adds its gradients to the step's
+        return loss.detach()
+
+    def train_step(window):  # one optimizer step over --accum_steps micro-batches
+        n = sum(len(y) for _, y in window)  # its images (fewer at an epoch's end)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        for x, y in window:
+            loss += forward_backward(x, y, len(y) / n)  # the mean over all n images
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
         optimizer.step()
-        return loss
+        return loss, norm
 
     return Technique(model, optimizer, train_step)
 

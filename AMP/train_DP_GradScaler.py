@@ -15,12 +15,11 @@ The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.trai
 `python AMP/train_DP_GradScaler.py --help` lists the flags.
 """
 import torch
-from torch import nn
 
 from ampkit.engine import Parts, Technique
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
-from ampkit.models import autocast_in_replicas
+from ampkit.models import autocast_replicas
 from ampkit.train import Trainer
 
 
@@ -28,22 +27,31 @@ def build(parts: Parts) -> Technique:
     model = parts.model
     # autocast is thread-local: what DP replicates re-enters it in each replica's thread
     if parts.dp_scope == "features":  # the conv layers only
-        model.features = nn.DataParallel(autocast_in_replicas(model.features, parts.amp_dtype))
-    else:  # all visible GPUs; the batch is split between them
-        model = nn.DataParallel(autocast_in_replicas(model, parts.amp_dtype))
+        model.features = torch.nn.DataParallel(autocast_replicas(model.features, parts.amp_dtype))
+    else:  # all visible GPUs; each batch split over them
+        model = torch.nn.DataParallel(autocast_replicas(model, parts.amp_dtype))
     criterion = parts.criterion
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
     autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
     scaler = torch.amp.GradScaler(parts.device.type)
 
-    def train_step(images, targets):
+    def forward_backward(images, targets, weight):  # one micro-batch, its share of the step
         with autocast:  # the forward pass and the loss; backward follows the forward's dtypes
-            loss = criterion(model(images), targets)
+            loss = criterion(model(images), targets) * weight
+        scaler.scale(loss).backward()  # adds the gradients of loss x scale to the step's
+        return loss.detach()
+
+    def train_step(window):  # one optimizer step over --accum_steps micro-batches
+        n = sum(len(y) for _, y in window)  # its images (fewer at an epoch's end)
         optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()  # gradients of loss x scale
-        scaler.step(optimizer)         # unscales them; skips the step if any is inf/NaN
-        scaler.update()                # halves the scale after a skip, grows it after good steps
-        return loss
+        loss = 0.0
+        for x, y in window:
+            loss += forward_backward(x, y, len(y) / n)  # the mean over all n images
+        scaler.unscale_(optimizer)  # once a step, before anything reads the gradients
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
+        scaler.step(optimizer)  # skips the step if any gradient is inf/NaN
+        scaler.update()         # halves the scale after a skip, grows it after good steps
+        return loss, norm
 
     return Technique(model, optimizer, train_step, autocast, scaler)
 

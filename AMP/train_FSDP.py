@@ -12,9 +12,8 @@ DDP's recipe, FSDP2 the wrapper, every step in main() and build() [the article's
 1. one process per GPU, in a process group from torchrun's environment (RANK, LOCAL_RANK,
    WORLD_SIZE): torch.cuda.set_device before any CUDA work, then init_process_group, NCCL
    on GPUs and gloo on the CPU [rank and address by hand, gloo on GPUs too, no set_device];
-2. fully_shard on each block, then on the root: each process holds a shard of every
-   parameter, gradient and AdamW state; the optimizer is made after sharding, over
-   the shards;
+2. fully_shard each block, then the root: each process holds a shard of every
+   parameter, gradient and AdamW state (the optimizer, made after it, steps on them);
 3. DistributedSampler: each process its own share of the data; sampler.set_epoch(epoch)
    every epoch [never called: every epoch repeated the first one's order];
 4. global rank 0 alone writes, the full weights, gathered from the shards (machinery/saving.py)
@@ -22,6 +21,8 @@ DDP's recipe, FSDP2 the wrapper, every step in main() and build() [the article's
 5. the loss and the accuracy summed over the processes by all_reduce [each rank divided
    its own count by the whole test set];
 6. destroy_process_group at the end [never called].
+With --accum_steps: model.set_requires_gradient_sync(last), so only the step's last
+micro-batch reduce-scatters; until then each process holds unsharded gradients.
 
 Before a block runs, its parameters are gathered (all-gather) and freed after; backward
 reduce-scatters the gradients, so each process gets the average of its shard, and AdamW
@@ -37,11 +38,10 @@ The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.trai
 `python AMP/train_FSDP.py --help` lists the flags.
 """
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
-from ampkit.distributed import GROUP_TIMEOUT, elastic_store, process_device, torchrun_env
+from ampkit.distributed import GROUP_TIMEOUT, elastic_store, torchrun_env
 from ampkit.engine import Parts, Technique
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
@@ -59,12 +59,21 @@ def build(parts: Parts) -> Technique:
     # After fully_shard, which replaced the parameters: AdamW over this process's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
 
-    def train_step(images, targets):
-        loss = criterion(model(images), targets)
+    def forward_backward(images, targets, weight):  # one micro-batch, its share of the step
+        loss = criterion(model(images), targets) * weight
+        loss.backward()  # adds its gradients to the step's
+        return loss.detach()
+
+    def train_step(window):  # one optimizer step over --accum_steps micro-batches
+        n = sum(len(y) for _, y in window)  # its images (fewer at an epoch's end)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # FSDP2 reduce-scatters them
+        loss = 0.0
+        for i, (x, y) in enumerate(window):
+            model.set_requires_gradient_sync(i == len(window) - 1)  # the last reduces
+            loss += forward_backward(x, y, len(y) / n)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
         optimizer.step()
-        return loss
+        return loss, norm.full_tensor()  # the norm of the shards' DTensors
 
     return Technique(model, optimizer, train_step)
 
@@ -73,14 +82,12 @@ def build(parts: Parts) -> Technique:
 def main(argv=None):
     args = parse_train_args("train_FSDP", argv, __doc__, process_group=True)
     # 1. One process per device, in a process group from torchrun's environment.
-    rank, local_rank, world_size = torchrun_env()  # plain python: a group of one
-    device = process_device(args.cuda, local_rank)  # cuda:LOCAL_RANK, or the CPU
+    rank, world_size, device = torchrun_env(args.cuda)  # device: cuda:LOCAL_RANK, or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank would use GPU 0
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                            world_size=world_size, store=elastic_store(rank, world_size),
-                            timeout=GROUP_TIMEOUT,
-                            device_id=device if device.type == "cuda" else None)
+    torch.distributed.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+        store=elastic_store(rank, world_size), timeout=GROUP_TIMEOUT, device_id=device.index)
     with Trainer(args, device) as trainer:  # run folder, data, model, resumed state
         # 3. Each process trains on its own share of the data.
         sampler = DistributedSampler(trainer.train_set, shuffle=True, seed=args.seed)
@@ -90,7 +97,7 @@ def main(argv=None):
             # 4-5: rank 0 alone saves, the unwrapped weights (machinery/saving.py); loss and
             # accuracy are summed over the ranks by all_reduce (engine.py, train.py)
             trainer.train_epoch(technique, epoch)
-    dist.destroy_process_group()  # 6. leave the group
+    torch.distributed.destroy_process_group()  # 6. leave the group
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ doubles it after 2000 steps without overflow. The skipped steps are counted in t
 line and in TensorBoard. The article's torch.cuda.amp.GradScaler() is
 torch.amp.GradScaler("cuda") now.
 
-Pitfall: fp16 needs loss scaling, bf16 does not: bfloat16 has float32's exponent range.
-Anything that reads the gradients between backward() and step() (clipping, say) must call
-scaler.unscale_(optimizer) first. The scaler's state is saved with the checkpoint.
+Pitfall: anything that reads the gradients (clipping, the norm) must come after
+scaler.unscale_(optimizer), called once per optimizer step: with --accum_steps, after the
+window's last backward(), never per micro-batch ("unscale_() has already been called");
+step() and update() at the window's end only. fp16 needs loss scaling, bf16 does not.
 The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
 `python AMP/train_GradScaler.py --help` lists the flags.
 """
@@ -32,14 +33,23 @@ def build(parts: Parts) -> Technique:
     autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
     scaler = torch.amp.GradScaler(parts.device.type)
 
-    def train_step(images, targets):
+    def forward_backward(images, targets, weight):  # one micro-batch, its share of the step
         with autocast:  # the forward pass and the loss; backward follows the forward's dtypes
-            loss = criterion(model(images), targets)
+            loss = criterion(model(images), targets) * weight
+        scaler.scale(loss).backward()  # adds the gradients of loss x scale to the step's
+        return loss.detach()
+
+    def train_step(window):  # one optimizer step over --accum_steps micro-batches
+        n = sum(len(y) for _, y in window)  # its images (fewer at an epoch's end)
         optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()  # gradients of loss x scale
-        scaler.step(optimizer)         # unscales them; skips the step if any is inf/NaN
-        scaler.update()                # halves the scale after a skip, grows it after good steps
-        return loss
+        loss = 0.0
+        for x, y in window:
+            loss += forward_backward(x, y, len(y) / n)  # the mean over all n images
+        scaler.unscale_(optimizer)  # once a step, before anything reads the gradients
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
+        scaler.step(optimizer)  # skips the step if any gradient is inf/NaN
+        scaler.update()         # halves the scale after a skip, grows it after good steps
+        return loss, norm
 
     return Technique(model, optimizer, train_step, autocast, scaler)
 

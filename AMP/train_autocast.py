@@ -29,13 +29,21 @@ def build(parts: Parts) -> Technique:
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
     autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
 
-    def train_step(images, targets):
+    def forward_backward(images, targets, weight):  # one micro-batch, its share of the step
         with autocast:  # the forward pass and the loss; backward follows the forward's dtypes
-            loss = criterion(model(images), targets)
+            loss = criterion(model(images), targets) * weight
+        loss.backward()  # adds its gradients to the step's
+        return loss.detach()
+
+    def train_step(window):  # one optimizer step over --accum_steps micro-batches
+        n = sum(len(y) for _, y in window)  # its images (fewer at an epoch's end)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        for x, y in window:
+            loss += forward_backward(x, y, len(y) / n)  # the mean over all n images
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
         optimizer.step()
-        return loss
+        return loss, norm
 
     return Technique(model, optimizer, train_step, autocast)
 

@@ -73,12 +73,12 @@ def test_peak_memory_is_each_epochs_own(imagefolder_root, tmp_path, capsys, monk
         t = real_build(parts)
         step = t.step
 
-        def step_with_a_spike(images, targets):
+        def step_with_a_spike(window):
             calls.append(1)
             if len(calls) == 1:
                 spike = torch.ones(384 * 2**20)  # 1.5 GB, written
                 del spike
-            return step(images, targets)
+            return step(window)
 
         t.step = step_with_a_spike
         return t

@@ -407,7 +407,12 @@ def test_resume_with_another_global_batch_is_refused(imagefolder_root, tmp_path,
     argv = _args(imagefolder_root, tmp_path / "ckpt", "--resume", "--epochs", "2")
     argv[argv.index("--batch_size") + 1] = "16"
     code, out, err = _main("train_without", argv, capsys)
-    assert "a global batch of 48 x 1 processes (this run: 16 x 1)" in _one_line(code, err)
+    line = _one_line(code, err)
+    assert "a global batch of 48 x 1 micro-batches x 1 processes (this run: 16 x 1 x 1)" in line
+    # The same global batch in 3 micro-batches of 16 per optimizer step: it may go on.
+    code, out, err = _main("train_without", argv + ["--accum_steps", "3"], capsys)
+    assert code == 0, err
+    assert "global batch 48" in out and "--accum_steps 3 (was 1)" in out, out
 
 
 def _log_lrs(run_dir: Path) -> list:

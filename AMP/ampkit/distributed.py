@@ -2,14 +2,13 @@
 
 A DDP or FSDP2 script joins its process group in plain torch calls::
 
-    rank, local_rank, world_size = torchrun_env()
-    device = process_device(args.cuda, local_rank)
+    rank, world_size, device = torchrun_env(args.cuda)
     torch.cuda.set_device(device)                       # on CUDA
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            store=elastic_store(rank, world_size), timeout=GROUP_TIMEOUT,
-                            device_id=device)           # device_id on CUDA
+    torch.distributed.init_process_group(
+        backend, rank=rank, world_size=world_size, store=elastic_store(rank, world_size),
+        timeout=GROUP_TIMEOUT, device_id=device.index)  # device_id: None on the CPU
     ...
-    dist.destroy_process_group()
+    torch.distributed.destroy_process_group()
 
 This module does what is around those calls: torchrun's environment variables (under plain
 ``python``, a group of one on a free local port), the device a process owns
@@ -135,14 +134,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_env() -> Tuple[int, int, int]:
-    """``(RANK, LOCAL_RANK, WORLD_SIZE)`` as torchrun sets them. Started by plain ``python``,
-    the process is a group of one, rendezvousing on a free local port."""
+def torchrun_env(cuda_flag: Optional[bool]) -> Tuple[int, int, torch.device]:
+    """``(RANK, WORLD_SIZE, device)`` as torchrun sets them; the device is this process's own,
+    ``cuda:LOCAL_RANK`` (or the CPU: ``--cuda``/``--no-cuda``, see :func:`want_cuda`).
+    Started by plain ``python``, the process is a group of one, on a free local port."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    return (int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")),
-            int(os.environ["WORLD_SIZE"]))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+            process_device(cuda_flag, local_rank))
 
 
 def process_device(cuda_flag: Optional[bool], local_rank: int) -> torch.device:

@@ -9,9 +9,11 @@ read every ``log_every`` steps and at the end of the epoch.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Iterable, Optional, Union
+from typing import Callable, ContextManager, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -21,7 +23,10 @@ from .distributed import DistInfo, synchronize
 from .machinery.errors import UserError
 from .precision import SkippedSteps, resolve_amp_dtype
 
-Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images, targets) -> loss
+# One optimizer step over a window of micro-batches [(images, targets), ...] -> (its loss, the
+# gradient norm before clipping).
+Window = List[Tuple[torch.Tensor, torch.Tensor]]
+Step = Callable[[Window], Tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -36,6 +41,7 @@ class Parts:
     dp_scope: str = "model"               # --dp_scope (DataParallel scripts)
     lr: float = 1e-4                      # --lr, for the script's optimizer
     arch: str = "alexnet"                 # --arch: the network's name, for messages
+    clip_grad: float = math.inf           # --clip_grad: the largest gradient norm (inf: any)
 
     def __post_init__(self) -> None:
         if not isinstance(self.amp_dtype, torch.dtype):
@@ -48,7 +54,7 @@ class Technique:
     shared code runs, checkpoints and logs."""
     model: nn.Module                           # as wrapped by the script (DP, DDP, FSDP2)
     optimizer: torch.optim.Optimizer           # made by the script, over what it trains
-    step: Step                                 # one optimizer step on (images, targets) -> loss
+    step: Step                                 # one optimizer step over a window of micro-batches
     autocast: Optional[torch.autocast] = None  # validation runs under it too
     scaler: Optional[torch.amp.GradScaler] = None
     param_dtype: Optional[torch.dtype] = None  # FSDP2's MixedPrecisionPolicy: the compute dtype
@@ -92,9 +98,11 @@ class EpochStats:
     seconds: float       # wall time of the training loop alone
     steps: int           # optimizer steps taken in this call
     skipped: int         # steps GradScaler skipped because of inf/NaN gradients
-    nonfinite: int       # steps whose loss was inf/NaN
-    stopped_at: Optional[int] = None  # step index within the epoch where a stop request ended it
+    nonfinite: int       # steps whose loss or gradient norm was inf/NaN
+    stopped_at: Optional[int] = None  # optimizer step within the epoch where a stop ended it
     data_seconds: float = 0.0  # part of `seconds` spent waiting for input (rank 0's)
+    grad_norm_mean: float = float("nan")  # gradient norm before clipping, over the finite,
+    grad_norm_max: float = float("nan")   # not skipped steps (rank 0's: the same on all ranks)
 
     @property
     def images_per_s(self) -> float:
@@ -105,65 +113,89 @@ class EpochStats:
 class Tally:
     """The epoch's running sums, kept on the device (adding to them never syncs)."""
     device: torch.device
-    loss_sum: torch.Tensor = field(init=False)   # sum of loss x batch size, finite steps only
+    loss_sum: torch.Tensor = field(init=False)   # sum of loss x images, finite steps only
+    norm_sum: torch.Tensor = field(init=False)   # gradient norms of the counted steps
+    norm_max: torch.Tensor = field(init=False)
     images: torch.Tensor = field(init=False)
     finite_images: torch.Tensor = field(init=False)
-    nonfinite: torch.Tensor = field(init=False)  # steps with an inf/NaN loss
-    bad_run: torch.Tensor = field(init=False)    # current run of consecutive inf/NaN steps
+    norm_steps: torch.Tensor = field(init=False)  # steps counted in the norm
+    nonfinite: torch.Tensor = field(init=False)  # steps with an inf/NaN loss or norm
+    bad_run: torch.Tensor = field(init=False)    # current run of consecutive such steps
     worst_run: torch.Tensor = field(init=False)  # longest such run
 
     def __post_init__(self) -> None:
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name in ("images", "finite_images", "nonfinite", "bad_run", "worst_run"):
+        for name in ("loss_sum", "norm_sum", "norm_max"):
+            setattr(self, name, torch.zeros((), dtype=torch.float64, device=self.device))
+        for name in ("images", "finite_images", "norm_steps", "nonfinite", "bad_run",
+                     "worst_run"):
             setattr(self, name, torch.zeros((), dtype=torch.int64, device=self.device))
 
-    def add(self, loss: torch.Tensor, n: int) -> None:
-        loss = loss.detach().double()
-        finite = torch.isfinite(loss)
+    def add(self, loss: torch.Tensor, n: int, norm: torch.Tensor, skipped: torch.Tensor) -> None:
+        """One optimizer step over ``n`` images; ``skipped``: GradScaler skipped it (its norm,
+        of inf/NaN gradients, is not counted)."""
+        loss, norm = loss.detach().double(), norm.detach().double()
+        finite, finite_norm = torch.isfinite(loss), torch.isfinite(norm)
         self.loss_sum += torch.where(finite, loss, torch.zeros_like(loss)) * n
         self.images += n
         self.finite_images += finite.long() * n
-        self.nonfinite += (~finite).long()
-        self.bad_run = torch.where(finite, torch.zeros_like(self.bad_run), self.bad_run + 1)
+        counted = finite_norm & ~skipped
+        self.norm_sum += torch.where(counted, norm, torch.zeros_like(norm))
+        self.norm_max = torch.maximum(self.norm_max, torch.where(counted, norm, self.norm_max))
+        self.norm_steps += counted.long()
+        bad = ~(finite & finite_norm)
+        self.nonfinite += bad.long()
+        self.bad_run = torch.where(bad, self.bad_run + 1, torch.zeros_like(self.bad_run))
         self.worst_run = torch.maximum(self.worst_run, self.bad_run)
 
 
 def _diverged(worst: int, step: int) -> TrainingDiverged:
-    return TrainingDiverged(f"the training loss was inf/NaN for {worst} consecutive steps (by "
-                            f"step {step}); stopping. Lower --lr or use a GradScaler variant")
+    return TrainingDiverged(f"the training loss or gradient norm was inf/NaN for {worst} "
+                            f"consecutive steps (by step {step}); stopping. Lower --lr, clip "
+                            "the gradients (--clip_grad) or use a GradScaler variant")
+
+
+def windows(loader: Iterable, accum_steps: int, device: torch.device,
+            input_format: torch.memory_format) -> Iterator[Tuple[Window, float]]:
+    """The loader's batches on ``device``, ``accum_steps`` at a time (the last window of an
+    epoch may hold fewer), with the host's seconds spent waiting for them."""
+    batches = iter(loader)
+    while True:
+        t_wait = time.perf_counter()
+        window = list(itertools.islice(batches, accum_steps))
+        if not window:
+            return
+        waited = time.perf_counter() - t_wait
+        yield [(x.to(device, non_blocking=True, memory_format=input_format),
+                y.to(device, non_blocking=True)) for x, y in window], waited
 
 
 def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: str = "train",
                     start_step: int = 0, log_every: int = 20, max_nonfinite: Optional[int] = 5,
                     stop: Optional[StopFlag] = None, skipped: Optional[SkippedSteps] = None,
                     input_format: torch.memory_format = torch.preserve_format,
-                    profiler=None) -> EpochStats:
-    """Run ``step_fn`` on every batch of ``loader``. ``max_nonfinite=None``: no divergence
-    check (a GradScaler skips the bad steps instead); ``skipped`` counts those skips, this
-    call's own; ``profiler`` (a ``machinery.profiler.StepProfiler``) records some steps."""
+                    profiler=None, accum_steps: int = 1) -> EpochStats:
+    """Run ``step_fn`` on every window of ``accum_steps`` batches of ``loader``: one optimizer
+    step each. ``start_step``, ``log_every`` and the progress bar count optimizer steps.
+    ``max_nonfinite=None``: no divergence check (a GradScaler skips the bad steps instead);
+    ``skipped`` counts those skips, this call's own; ``profiler`` (a
+    ``machinery.profiler.StepProfiler``) records some steps."""
     device = info.device
     tally, skipped = Tally(device), skipped or SkippedSteps(None, device)
     skipped.count.zero_()  # this call's skips; the scaler's last scale carries over
     synchronize(device)
     t0 = time.perf_counter()
     step, steps_done, stopped_at, data_seconds = start_step, 0, None, 0.0
-    total = start_step + len(loader) if hasattr(loader, "__len__") else None
+    total = (start_step + math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__")
+             else None)
     bar = tqdm(total=total, initial=start_step, desc=desc, disable=not info.is_main,
-               leave=False, dynamic_ncols=True)
-    batches = iter(loader)
+               leave=False, dynamic_ncols=True, unit="step")
     # The bar is closed before any error message, so it is not drawn over.
     with bar, profiler or contextlib.nullcontext():
-        while True:
-            t_wait = time.perf_counter()
-            batch = next(batches, None)
-            if batch is None:
-                break
-            data_seconds += time.perf_counter() - t_wait  # host time waiting for input
-            images = batch[0].to(device, non_blocking=True, memory_format=input_format)
-            targets = batch[1].to(device, non_blocking=True)
+        for window, waited in windows(loader, accum_steps, device, input_format):
+            data_seconds += waited  # host time waiting for input
             with skipped.watch():
-                loss = step_fn(images, targets)
-            tally.add(loss, targets.shape[0])
+                loss, norm = step_fn(window)
+            tally.add(loss, sum(y.shape[0] for _, y in window), norm, skipped.last)
             step, steps_done = step + 1, steps_done + 1
             bar.update(1)
             if profiler is not None:
@@ -173,20 +205,28 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
                 if _host_check(tally, bar, info, local_stop, max_nonfinite, step):
                     stopped_at = step
                     break
+    return _epoch_stats(tally, skipped, info, max_nonfinite, step, t0,
+                        dict(steps=steps_done, stopped_at=stopped_at, data_seconds=data_seconds))
 
+
+def _epoch_stats(tally: Tally, skipped: SkippedSteps, info: DistInfo,
+                 max_nonfinite: Optional[int], step: int, t0: float, kw: dict) -> EpochStats:
+    """The epoch's figures, summed over the ranks: the epoch's one host sync."""
     totals = info.all_reduce_sum(torch.stack([tally.images.double(), tally.finite_images.double(),
                                               skipped.count.double(), tally.nonfinite.double(),
                                               tally.loss_sum]))
     worst = int(info.all_reduce_max(tally.worst_run.clone()).item())
-    synchronize(device)
+    norms = torch.stack([tally.norm_sum, tally.norm_steps.double(), tally.norm_max]).tolist()
+    synchronize(info.device)
     seconds = time.perf_counter() - t0
     images, finite_images, n_skipped, nonfinite, loss_total = totals.tolist()
     if max_nonfinite is not None and worst >= max_nonfinite:
         raise _diverged(worst, step)
-    return EpochStats(loss=loss_total / finite_images if finite_images else float("nan"),
-                      images=int(images), seconds=seconds, steps=steps_done,
-                      skipped=int(n_skipped), nonfinite=int(nonfinite), stopped_at=stopped_at,
-                      data_seconds=data_seconds)
+    nan = float("nan")
+    return EpochStats(loss=loss_total / finite_images if finite_images else nan,
+                      images=int(images), seconds=seconds, skipped=int(n_skipped),
+                      nonfinite=int(nonfinite), grad_norm_mean=norms[0] / norms[1]
+                      if norms[1] else nan, grad_norm_max=norms[2] if norms[1] else nan, **kw)
 
 
 def _host_check(tally: Tally, bar: tqdm, info: DistInfo, local_stop: bool,

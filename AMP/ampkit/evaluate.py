@@ -25,7 +25,7 @@ from .machinery import checkpoint as ckpt_io
 from .machinery.config import DATA_DIR, check_arch_flags
 from .machinery.data import build_loaders, take_skipped
 from .machinery.errors import UserError
-from .models import DEFAULT_ARCH, autocast_in_replicas, build_model
+from .models import DEFAULT_ARCH, autocast_replicas, build_model
 from .precision import resolve_amp_dtype
 
 
@@ -65,7 +65,7 @@ class Evaluation:
         if self.autocast_dtype is not None:
             # The forward re-enters autocast with this dtype itself, for DataParallel's replica
             # threads, which do not inherit the caller's dtype.
-            model = autocast_in_replicas(model, self.autocast_dtype)
+            model = autocast_replicas(model, self.autocast_dtype)
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
         self.model = model.to(device, memory_format=self.input_format)
         self.autocast = (torch.autocast(device.type, dtype=self.autocast_dtype)

@@ -5,7 +5,7 @@
   torchvision's default weights and, for another number of classes, a new last layer.
 - ``check_input_size`` runs the model once on the meta device (no memory, no time), so an
   image size the model cannot take is one line before anything is trained.
-- ``autocast_in_replicas``: what ``nn.DataParallel`` replicates (the model, or its
+- ``autocast_replicas``: what ``nn.DataParallel`` replicates (the model, or its
   ``features`` block), made to re-enter autocast with the run's dtype in the replica
   threads, which do not inherit it.
 - ``shard_units``: the blocks FSDP2 shards one by one.
@@ -121,7 +121,7 @@ class AutocastForward(nn.Module):
         return self.module(x)
 
 
-def autocast_in_replicas(module: nn.Module, dtype: torch.dtype) -> AutocastForward:
+def autocast_replicas(module: nn.Module, dtype: torch.dtype) -> AutocastForward:
     """What ``nn.DataParallel`` is about to replicate -- a whole model, or a block such as
     ``model.features`` -- made to compute in ``dtype`` in every replica thread.
 

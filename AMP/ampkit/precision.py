@@ -98,18 +98,20 @@ class SkippedSteps:
     def __init__(self, scaler: Optional[torch.amp.GradScaler], device: torch.device) -> None:
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.count = torch.zeros((), dtype=torch.int64, device=device)
-        self._last: Optional[torch.Tensor] = None
+        self.last = torch.zeros((), dtype=torch.bool, device=device)  # the last step skipped
+        self._scale: Optional[torch.Tensor] = None
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[None]:
-        """Around one training step."""
+        """Around one optimizer step."""
         if self.scaler is None:
             yield
             return
-        before = self._last
+        before = self._scale
         if before is None:  # before the first step the scale is still a float: no sync
             before = torch.tensor(self.scaler.get_scale(), device=self.count.device)
         yield
         after = self.scaler._scale
-        self.count += (after < before).long().squeeze()
-        self._last = after.clone()
+        self.last = (after < before).squeeze()
+        self.count += self.last.long()
+        self._scale = after.clone()

@@ -23,6 +23,7 @@ optimizer, the precision objects and the step, in plain torch calls) and runs::
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from functools import partial
@@ -84,7 +85,8 @@ class Run:
         check_dp_scope(model, args.dp_scope, args.arch)
         model = model.to(device, memory_format=self.input_format)
         self.parts = Parts(device, model, nn.CrossEntropyLoss(), args.amp_dtype, args.dp_scope,
-                           lr=args.lr, arch=args.arch)
+                           lr=args.lr, arch=args.arch,
+                           clip_grad=args.clip_grad if args.clip_grad else math.inf)
         self.resumed = Resumed()
         if path is not None:
             self.resumed = load_resume(path, args, model, device, info.world_size, info.is_main)
@@ -113,6 +115,7 @@ class Trainer:
         self.args = args
         self.info = DistInfo.of(device or single_process_device(args.cuda))
         self.run = Run(args, self.info)
+        self.train_set = self.run.data.train_set  # what a DDP script's DistributedSampler draws
         r = self.run.resumed
         self.epoch, self.step, self.best_acc, self.best_epoch = \
             r.epoch, r.step, r.best_acc, r.best_epoch
@@ -122,11 +125,6 @@ class Trainer:
         self.signals = StopSignals(self.stop, self.logger.print)
         self.own_sampler: Optional[Sampler] = None
         self.stopped_at, self.train_seconds, self.t_start = None, 0.0, time.perf_counter()
-
-    @property
-    def train_set(self):
-        """What the training sampler draws from (a DDP script's DistributedSampler: its size)."""
-        return self.run.data.train_set
 
     def __enter__(self) -> "Trainer":
         return self
@@ -181,7 +179,7 @@ class Trainer:
         step0 = self.step if epoch == self.epoch else 0
         if self.own_sampler is not None:
             self.own_sampler.set_epoch(epoch)  # a new order every epoch
-        self.loader.sampler.start_index = step0 * args.batch_size
+        self.loader.sampler.start_index = step0 * args.batch_size * args.accum_steps
         lr = t.optimizer.param_groups[0]["lr"]
         dp = any(isinstance(m, nn.DataParallel) for m in t.model.modules())
         reset = reset_peak_memory(info.device, all_gpus=dp)  # this epoch's peak
@@ -193,7 +191,7 @@ class Trainer:
                                 start_step=step0, log_every=args.log_every,
                                 max_nonfinite=None if t.scaler else 5, stop=self.stop,
                                 skipped=self.skipped, input_format=self.run.input_format,
-                                profiler=profiler)
+                                profiler=profiler, accum_steps=args.accum_steps)
         self.train_seconds += stats.seconds
         if profiler is not None:
             self.logger.print(profiler.report())
@@ -228,6 +226,9 @@ class Trainer:
         row = {"epoch": epoch + 1, "train_loss": stats.loss, "val_acc": val_acc, "lr": lr,
                "epoch_time": epoch_seconds, "train_time": stats.seconds,
                "data_time": stats.data_seconds, "images_per_s": stats.images_per_s,
+               "optimizer_steps": stats.steps,
+               "global_batch": self.args.batch_size * self.args.accum_steps * info.world_size,
+               "grad_norm_mean": stats.grad_norm_mean, "grad_norm_max": stats.grad_norm_max,
                "skipped_steps": stats.skipped, "skipped_images": skipped,
                "peak_mem_mb": max(per_rank), "peak_mem_mb_per_rank": per_rank,
                "peak_mem_kind": memory_kind(device, reset)} | save

@@ -10,6 +10,8 @@ Environment:
                          (saying on stderr which thread was writing it).
   FAULT_SLOW_SAVE=N      the N-th checkpoint file is written slowly (a slow disk): half of it,
                          then FAULT_MARKER is created, and the write goes on 60 s later.
+  FAULT_SIGTERM_AT_LOSS=N  this process sends itself SIGTERM as it computes its N-th
+                         training loss (one per micro-batch): a stop in the middle of a step.
 """
 import importlib
 import os
@@ -26,6 +28,8 @@ import torch  # noqa: E402
 exit_at = int(os.environ.get("FAULT_EXIT_AT_STEP", "0"))
 kill_in_save = int(os.environ.get("FAULT_KILL_IN_SAVE", "0"))
 slow_save = int(os.environ.get("FAULT_SLOW_SAVE", "0"))
+sigterm_at_loss = int(os.environ.get("FAULT_SIGTERM_AT_LOSS", "0"))
+losses = 0
 marker = Path(os.environ.get("FAULT_MARKER", "/nonexistent/marker"))
 steps = saves = 0
 
@@ -41,6 +45,18 @@ if exit_at and int(os.environ.get("RANK", "0")) == int(os.environ.get("FAULT_RAN
         return original_step(self, *args, **kwargs)
 
     torch.optim.AdamW.step = step
+
+if sigterm_at_loss:
+    original_loss = torch.nn.CrossEntropyLoss.forward
+
+    def loss_forward(self, *args, **kwargs):
+        global losses
+        losses += 1
+        if losses == sigterm_at_loss:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_loss(self, *args, **kwargs)
+
+    torch.nn.CrossEntropyLoss.forward = loss_forward
 
 if kill_in_save or slow_save:
     original_save = torch.save

@@ -134,7 +134,14 @@ def train_parser(variant: str, process_group: bool = False, doc: Optional[str] =
                         "pytorch/examples' ImageNet script (the big linear layers then run on "
                         "one GPU)")
     p.add_argument("--log_every", type=int, default=20,
-                   help="steps between reads of the loss on the host (progress bar, checks)")
+                   help="optimizer steps between reads of the loss on the host (progress bar, "
+                        "checks)")
+    p.add_argument("--accum_steps", type=int, default=1, metavar="K",
+                   help="micro-batches of --batch_size per optimizer step (gradient "
+                        "accumulation): the global batch is batch_size x K x world size")
+    p.add_argument("--clip_grad", type=float, default=None, metavar="MAX_NORM",
+                   help="clip the gradients' total norm to MAX_NORM before each optimizer step "
+                        "(after GradScaler's unscale_); the norm is logged either way")
     p.add_argument("--profile", action="store_true",
                    help="record 3 steps of the first epoch (after 2 warm-up steps) with "
                         "torch.profiler: a trace per rank in <checkpoint>/<variant>/profile/ "
@@ -199,6 +206,10 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
         raise UserError(f"--lr must be a finite number >= 0, got {args.lr}")
     if args.log_every <= 0:
         raise UserError(f"--log_every must be a positive integer, got {args.log_every}")
+    if args.accum_steps <= 0:
+        raise UserError(f"--accum_steps must be a positive integer, got {args.accum_steps}")
+    if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad > 0):
+        raise UserError(f"--clip_grad must be a positive number, got {args.clip_grad}")
     if args.resume and args.init_from:
         raise UserError("--resume continues a run, --init_from starts a new one from a "
                         "checkpoint's weights: give one of them")

@@ -88,12 +88,15 @@ class RunLogger:
         scale = row.get("grad_scale")
         self.print(f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  "
                    f"val_acc {row['val_acc']:.4f} ({counts[0]}/{counts[1]})  lr {row['lr']:.2e}  "
-                   f"time {row['epoch_time']:.1f}s  {row['images_per_s']:.0f} img/s"
+                   f"time {row['epoch_time']:.1f}s  {row['images_per_s']:.0f} img/s  "
+                   f"grad_norm {row['grad_norm_mean']:.3g} (max {row['grad_norm_max']:.3g})"
                    + (f"  skipped_steps {row['skipped_steps']}  scale {scale:.0f}"
                       if scale is not None else ""))
         self.record(row)
         self.scalars({"train/loss": row["train_loss"], "train/lr": row["lr"],
                       "val/accuracy": row["val_acc"], "time/epoch_seconds": row["epoch_time"],
+                      "train/grad_norm_mean": row["grad_norm_mean"],
+                      "train/grad_norm_max": row["grad_norm_max"],
                       "throughput/images_per_second": row["images_per_s"]}
                      | ({"amp/grad_scale": scale, "amp/skipped_steps": row["skipped_steps"]}
                         if scale is not None else {}), row["epoch"])
@@ -119,8 +122,12 @@ def header_line(args, info, technique, data, fp32_math: str) -> str:
             f"images, {data.num_classes} classes) at {args.img_size}px on {device}"
             f"{f' x{info.world_size} processes' if info.distributed else ''}{gpus}, "
             f"precision {t.precision}{dtype}, "
-            f"batch {args.batch_size}{' per process' if info.distributed else ''}, "
-            f"{data.kind} loader")
+            f"batch {args.batch_size}{' per process' if info.distributed else ''}"
+            + (f" x {args.accum_steps} micro-batches per optimizer step (global batch "
+               f"{args.batch_size * args.accum_steps * info.world_size})"
+               if args.accum_steps > 1 else "")
+            + (f", gradients clipped to norm {args.clip_grad:g}" if args.clip_grad else "")
+            + f", {data.kind} loader; progress in optimizer steps")
 
 
 def summary_line(args, seconds: float, train_seconds: float, best_acc: float, best_epoch: int,

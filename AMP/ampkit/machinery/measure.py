@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import os
 import pickle
 import tempfile
 import time
@@ -53,7 +54,7 @@ from torch import nn
 
 import torch.distributed as dist
 
-from ..distributed import DistInfo, synchronize
+from ..distributed import DistInfo, elastic_store, synchronize, torchrun_env
 from ..engine import Parts, train_one_epoch
 from ..models import build_model
 from ..precision import SkippedSteps, compile_in_place
@@ -77,10 +78,11 @@ class StepResult:
     arch: str
     device: str
     devices: int
-    batch_size: int          # per step (per process for DDP)
+    batch_size: int          # per micro-batch (per process for DDP)
     img_size: int
     warmup: int
-    steps: int
+    steps: int               # optimizer steps
+    accum_steps: int = 1     # micro-batches per optimizer step
     channels_last: bool = False
     compiled: bool = False
     fp32_math: str = ""      # CUDA fp32 variants: "tf32", "fp32" or "tf32 conv, fp32 matmul"
@@ -123,12 +125,18 @@ class DDPGroup:
         self.info: Optional[DistInfo] = None
 
     def get(self) -> DistInfo:
+        """The group: torchrun's when benchmark.py runs under it, else one of one process."""
         if self.info is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if self.cuda \
-                else torch.device("cpu")
-            dist.init_process_group("nccl" if self.cuda else "gloo", store=dist.HashStore(),
-                                    rank=0, world_size=1,
-                                    device_id=device if self.cuda else None)
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                rank, world_size, device = torchrun_env(self.cuda)
+                if self.cuda:
+                    torch.cuda.set_device(device)
+                kw = dict(rank=rank, world_size=world_size, store=elastic_store(rank, world_size))
+            else:
+                device = torch.device("cuda", torch.cuda.current_device()) if self.cuda \
+                    else torch.device("cpu")
+                kw = dict(rank=0, world_size=1, store=dist.HashStore())
+            dist.init_process_group("nccl" if self.cuda else "gloo", device_id=device.index, **kw)
             self.info = DistInfo.of(device)
         return self.info
 
@@ -169,60 +177,88 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
                     peak_tflops: Optional[float] = None,
                     peak_tflops_fp32: Optional[float] = None, fp32_math: str = "",
                     ddp: Optional[DDPGroup] = None, channels_last: bool = False,
-                    compile: bool = False, dp_scope: str = "model",
-                    profile: Optional[Path] = None) -> StepResult:
-    """Time ``steps`` training steps of ``variant``'s own ``build()`` after ``warmup`` uncounted
-    ones. ``channels_last``, ``compile`` and ``dp_scope`` are the training flags of those names;
-    ``fp32_math`` labels the fp32 variants on CUDA (what ``precision.set_tf32`` returned);
-    ``profile``: after the timing, 5 more steps under :class:`StepProfiler`, traced there."""
+                    compile: bool = False, dp_scope: str = "model", accum_steps: int = 1,
+                    keep_sync: bool = False, profile: Optional[Path] = None) -> StepResult:
+    """Time ``steps`` optimizer steps of ``variant``'s own ``build()`` after ``warmup``
+    uncounted ones, each over ``accum_steps`` micro-batches of ``batch_size``.
+    ``channels_last``, ``compile``, ``dp_scope`` and ``accum_steps`` are the training flags
+    of those names; ``keep_sync``: DDP all-reduces every micro-batch (no ``no_sync``: what it
+    saves); ``fp32_math`` labels the fp32 variants on CUDA (``precision.set_tf32``'s);
+    ``profile``: after the timing, a few more steps under :class:`StepProfiler`, traced."""
     info, res = _result(variant, device, ddp, arch=arch, batch_size=batch_size,
-                        img_size=img_size, warmup=warmup, steps=steps,
+                        img_size=img_size, warmup=warmup, steps=steps, accum_steps=accum_steps,
                         channels_last=channels_last, compiled=compile, dp_scope=dp_scope)
     if res.precision == "fp32" and device.type == "cuda":
         res.fp32_math = fp32_math
-    torch.manual_seed(0)
+    if keep_sync:
+        res.note += "; DDP all-reduces every micro-batch (no no_sync)"
+    t, pool, flops = _built(variant, res, device, num_classes, lr, amp_dtype)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    model = build_model(arch, num_classes).to(device, memory_format=fmt)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    gen = torch.Generator().manual_seed(0)
-    pool = [(torch.randn(batch_size, 3, img_size, img_size, generator=gen)
-             .to(device, memory_format=fmt),
-             torch.randint(0, num_classes, (batch_size,), generator=gen).to(device))
-            for _ in range(min(4, max(steps, 1)))]
-    flops = count_step_flops(model, *pool[0])
-    t = importlib.import_module(variant).build(
-        Parts(device, model, nn.CrossEntropyLoss(), amp_dtype, dp_scope, lr=lr, arch=arch))
-    res.amp_dtype = str(t.compute_dtype)[6:] if t.compute_dtype is not None else ""
-    if res.compiled:
-        compile_in_place(t.model)  # compiled during the warm-up steps
-    t.model.train()
     skipped = SkippedSteps(t.scaler, device)
+
+    def run(n: int, **kw):  # n optimizer steps, over the pool's batches in turn
+        micro = [pool[i % len(pool)] for i in range(n * accum_steps)]
+        with _all_reduce_every_micro_batch() if keep_sync else contextlib.nullcontext():
+            return train_one_epoch(t.step, micro, info, skipped=skipped, input_format=fmt,
+                                   accum_steps=accum_steps, **kw)
+
     if warmup > 0:
-        train_one_epoch(t.step, [pool[i % len(pool)] for i in range(warmup)], info,
-                        desc=f"{variant} warm-up", skipped=skipped, input_format=fmt)
+        run(warmup, desc=f"{variant} warm-up")
     _reset_peaks(device, res)
-    batches = [pool[i % len(pool)] for i in range(steps)]
     # log_every past the last step: the loop's host read (the loss for the progress bar, the
     # stop and divergence checks) would sync inside the timed window.
-    seconds, stats = _timed(lambda: train_one_epoch(
-        t.step, batches, info, desc=variant, log_every=steps + 1, skipped=skipped,
-        input_format=fmt), device)
+    seconds, stats = _timed(lambda: run(steps, desc=variant, log_every=steps + 1), device)
     res.peak_mem_mb = peak_memory_mb(device, all_gpus=res.parallel == "dp")
     res.seconds, res.step_ms = seconds, 1000.0 * seconds / steps
     res.images_per_s = stats.images / seconds  # all ranks together
-    res.gflop_per_step = flops * info.world_size / 1e9
+    res.gflop_per_step = flops * accum_steps * info.world_size / 1e9
     res.achieved_tflops = res.gflop_per_step * steps / seconds / 1e3
     if profile is not None:  # started and stopped by train_one_epoch
         profiler = StepProfiler(profile, device)
-        train_one_epoch(t.step, [pool[i % len(pool)] for i in range(profiler.needed)], info,
-                        desc=f"{variant} profile", skipped=skipped, input_format=fmt,
-                        profiler=profiler)
+        run(profiler.needed, desc=f"{variant} profile", profiler=profiler)
         print(profiler.report(), flush=True)
     peak = peak_tflops_fp32 if res.precision == "fp32" else peak_tflops
     if peak:
         res.utilisation = res.achieved_tflops / (peak * res.devices)
     return res  # the caller frees the model (gc.collect, torch.cuda.empty_cache)
+
+
+def _built(variant: str, res: StepResult, device: torch.device, num_classes: int, lr: float,
+           amp_dtype: Optional[str]) -> tuple:
+    """(the variant's Technique, a pool of synthetic batches on the device, the FLOPs of one
+    micro-batch's forward and backward)."""
+    torch.manual_seed(0)
+    fmt = torch.channels_last if res.channels_last else torch.contiguous_format
+    model = build_model(res.arch, num_classes).to(device, memory_format=fmt)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    gen, b, px = torch.Generator().manual_seed(0), res.batch_size, res.img_size
+    pool = [(torch.randn(b, 3, px, px, generator=gen).to(device, memory_format=fmt),
+             torch.randint(0, num_classes, (b,), generator=gen).to(device))
+            for _ in range(min(4, max(res.steps * res.accum_steps, 1)))]
+    flops = count_step_flops(model, *pool[0])
+    t = importlib.import_module(variant).build(
+        Parts(device, model, nn.CrossEntropyLoss(), amp_dtype, res.dp_scope or "model", lr=lr,
+              arch=res.arch))
+    res.amp_dtype = str(t.compute_dtype)[6:] if t.compute_dtype is not None else ""
+    if res.compiled:
+        compile_in_place(t.model)  # compiled during the warm-up steps
+    t.model.train()
+    return t, pool, flops
+
+
+@contextlib.contextmanager
+def _all_reduce_every_micro_batch() -> Iterator[None]:
+    """DDP's ``no_sync`` made a no-op: with --accum_steps, what the all-reduce of every
+    micro-batch costs (for measuring only)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    real = DistributedDataParallel.no_sync
+    DistributedDataParallel.no_sync = lambda self: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        DistributedDataParallel.no_sync = real
 
 
 def _reset_peaks(device: torch.device, res: StepResult) -> None:
@@ -441,7 +477,8 @@ def step_table(results: Sequence[StepResult]) -> str:
         ok = r.status == "ok"
         rows.append([r.variant, r.precision, r.amp_dtype or r.fp32_math or "-",
                      f"{r.devices} {r.device}",
-                     str(r.batch_size), _fmt(r.step_ms, ".1f"), _fmt(r.images_per_s, ".1f"),
+                     f"{r.batch_size}" + (f"x{r.accum_steps}" if r.accum_steps > 1 else ""),
+                     _fmt(r.step_ms, ".1f"), _fmt(r.images_per_s, ".1f"),
                      _fmt(r.peak_mem_mb, ".0f"), _fmt(r.gflop_per_step, ".2f"),
                      _fmt(r.achieved_tflops, ".3f"),
                      "-" if r.utilisation is None else f"{100 * r.utilisation:.1f}%",

@@ -49,11 +49,13 @@ def resume_mismatches(state: dict, args, world_size: int) -> List[str]:
     if root and args.dataset != "FakeData" and \
             Path(root).resolve() != Path(args.dataset_root).resolve():
         diffs.append(f"--dataset_root {root} (this run: {args.dataset_root})")
-    world, batch = state.get("world_size"), trained.get("batch_size")
+    world, batch, accum = state.get("world_size"), trained.get("batch_size"), \
+        trained.get("accum_steps", 1)  # older checkpoints: no accumulation
     if world is not None and batch is not None:
-        if world * batch != world_size * args.batch_size:
-            diffs.append(f"a global batch of {batch} x {world} processes (this run: "
-                         f"{args.batch_size} x {world_size})")
+        if world * batch * accum != world_size * args.batch_size * args.accum_steps:
+            diffs.append(f"a global batch of {batch} x {accum} micro-batches x {world} "
+                         f"processes (this run: {args.batch_size} x {args.accum_steps} x "
+                         f"{world_size})")
         elif world != world_size and state.get("step", 0):
             diffs.append(f"{world} processes, stopped mid-epoch (this run: {world_size})")
     return diffs

@@ -1,0 +1,72 @@
+"""Gradient accumulation under DDP and FSDP2 against a one-process reference, under torchrun.
+
+    torchrun --nproc_per_node=2 tests/helpers/accum_check.py
+
+Every rank builds the same AlexNet (same seed, eval mode: no dropout). The reference takes
+the whole global batch of 16 in one backward pass, in one process. DDP and FSDP2 (each
+through its training script's own build() and train_step) take one optimizer step over
+--accum_steps 4 micro-batches of 2 images on each rank: their gradients must be the
+reference's (the mean over the global batch). DDP must all-reduce once for that step, not
+once per micro-batch (counted by a comm hook). Prints the figures; exits 1 on a mismatch.
+"""
+import copy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "AMP"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+
+import train_DDP  # noqa: E402
+import train_FSDP  # noqa: E402
+from alexnet import alexnet  # noqa: E402
+from ampkit.engine import Parts  # noqa: E402
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = alexnet(num_classes=3).eval()
+gen = torch.Generator().manual_seed(1)
+images = torch.randn(8 * world, 3, 64, 64, generator=gen)
+targets = torch.randint(0, 3, (8 * world,), generator=gen)
+mine = slice(8 * rank, 8 * rank + 8)
+window = [(images[mine][i:i + 2], targets[mine][i:i + 2]) for i in range(0, 8, 2)]
+
+reference = copy.deepcopy(model)
+nn.functional.cross_entropy(reference(images), targets).backward()
+want = {name: p.grad for name, p in reference.named_parameters()}
+
+
+def worst(grads) -> float:
+    return max(((grads[name] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item()
+               for name, g in want.items())
+
+
+ddp = train_DDP.build(Parts(torch.device("cpu"), copy.deepcopy(model), nn.CrossEntropyLoss()))
+rounds = []
+
+
+def counting(state, bucket):
+    if bucket.index() == 0:  # the first bucket of each all-reduce round
+        rounds.append(1)
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+ddp.model.register_comm_hook(None, counting)
+ddp.step(window)
+ddp_worst = worst({name.removeprefix("module."): p.grad for name, p in ddp.model.named_parameters()})
+
+fsdp = train_FSDP.build(Parts(torch.device("cpu"), copy.deepcopy(model), nn.CrossEntropyLoss()))
+fsdp.step(window)
+fsdp_worst = worst({name: p.grad.full_tensor() for name, p in fsdp.model.named_parameters()})
+
+ok = len(rounds) == 1 and ddp_worst < 1e-5 and fsdp_worst < 1e-5
+if rank == 0:
+    print(f"DDP all-reduce rounds in one step of 4 micro-batches: {len(rounds)}; largest "
+          f"relative gradient difference: DDP {ddp_worst:.2e}, FSDP2 {fsdp_worst:.2e}",
+          flush=True)
+dist.destroy_process_group()
+sys.exit(0 if ok else 1)

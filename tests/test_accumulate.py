@@ -1,0 +1,159 @@
+"""Gradient accumulation (--accum_steps) and clipping (--clip_grad), as the scripts do them:
+one optimizer step over K micro-batches is the step over their union, a short last window
+is weighted by what it holds, GradScaler unscales once before clipping, DDP all-reduces
+once a step, and a stop mid-window saves whole steps only."""
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO_ROOT, clean_output
+
+CPU = torch.device("cpu")
+
+
+def _parts(model, **kw):
+    from ampkit.engine import Parts
+
+    return Parts(CPU, model, nn.CrossEntropyLoss(), **kw)
+
+
+def _batches(n: int, size: int, px: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 3, px, px, generator=gen), torch.randint(0, 3, (size,), generator=gen))
+            for _ in range(n)]
+
+
+def _grads(model) -> list:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _close(a: list, b: list, rtol: float) -> bool:
+    return all(((x - y).abs().max() / y.abs().max().clamp(min=1e-12)).item() <= rtol
+               for x, y in zip(a, b))
+
+
+def test_four_micro_batches_make_the_step_of_their_union():
+    """One device, fp32: one optimizer step over 4 micro-batches of 2 gives the gradients and
+    the parameters of one step over the batch of 8 (AlexNet without dropout). AdamW's first
+    step moves every weight by about lr x sign(gradient), whatever the gradient's size, so a
+    weight whose gradient is ~1e-8 (AdamW's eps) may move a little differently: the weights
+    agree to a small fraction of lr, the gradients to 1e-5 of their largest."""
+    import train_without
+    from alexnet import alexnet
+
+    torch.manual_seed(0)
+    model = alexnet(num_classes=3).eval()
+    twin = copy.deepcopy(model)
+    window = _batches(4, 2, 64)
+    accumulated = train_without.build(_parts(model))
+    loss, norm = accumulated.step(window)
+    whole = train_without.build(_parts(twin))
+    whole_loss, whole_norm = whole.step([(torch.cat([x for x, _ in window]),
+                                          torch.cat([y for _, y in window]))])
+    assert _close(_grads(model), _grads(twin), 1e-5)
+    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), twin.parameters()))
+    assert moved <= 0.05 * accumulated.optimizer.param_groups[0]["lr"], moved
+    assert loss.item() == pytest.approx(whole_loss.item(), rel=1e-6)
+    assert norm.item() == pytest.approx(whole_norm.item(), rel=1e-5)
+
+
+def test_a_short_last_window_is_weighted_as_what_it_holds():
+    """5 micro-batches with K = 2: steps over 2, 2 and 1; the last one's gradient is that one
+    micro-batch's mean loss's, not half of it."""
+    import train_without
+    from ampkit.distributed import DistInfo
+    from ampkit.engine import train_one_epoch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 3))
+    t = train_without.build(_parts(model))
+    batches, sizes, want = _batches(5, 4, 16), [], []
+
+    def step(window):
+        sizes.append(len(window))
+        if len(sizes) == 3:  # the reference: the last micro-batch alone, on today's weights
+            twin = copy.deepcopy(model)
+            nn.functional.cross_entropy(twin(window[0][0]), window[0][1]).backward()
+            want.extend(_grads(twin))
+        return t.step(window)
+
+    stats = train_one_epoch(step, batches, DistInfo(device=CPU), accum_steps=2)
+    assert sizes == [2, 2, 1] and stats.steps == 3 and stats.images == 20
+    assert _close(_grads(model), want, 1e-5), "the short window's gradient is not its own"
+
+
+@pytest.mark.parametrize("accum_steps", [1, 3])
+def test_clipped_gradients_with_a_scaler_are_those_without(accum_steps):
+    """GradScaler (a fixed scale of 2**16) with --clip_grad: unscale_ once per step, then the
+    clip, gives the gradients the same step gets without a scaler; K > 1 raises no
+    "unscale_() has already been called"."""
+    import train_autocast
+    import train_GradScaler
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(8, 3))
+    twin = copy.deepcopy(net)
+    window = [(100 * x, y) for x, y in _batches(accum_steps, 4, 16)]  # norms well above 0.5
+    scaled = train_GradScaler.build(_parts(net, clip_grad=0.5))
+    scaled.scaler.load_state_dict(scaled.scaler.state_dict()
+                                  | {"scale": 2.0 ** 16, "growth_interval": 10**6})
+    plain = train_autocast.build(_parts(twin, clip_grad=0.5))
+    _, norm = scaled.step(window)
+    _, plain_norm = plain.step(window)
+    assert norm.item() == pytest.approx(plain_norm.item(), rel=1e-6) and norm.item() > 0.5
+    assert _close(_grads(net), _grads(twin), 1e-6)
+    clipped = torch.linalg.vector_norm(torch.stack([g.norm() for g in _grads(net)]))
+    assert clipped.item() == pytest.approx(0.5, rel=1e-4), "the gradients were not clipped"
+    assert scaled.scaler.get_scale() == 2.0 ** 16  # no step was skipped
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_accumulate_as_one_process_and_ddp_reduces_once_a_step():
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=2", "tests/helpers/accum_check.py"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "all-reduce rounds in one step of 4 micro-batches: 1;" in res.stdout, res.stdout
+
+
+def _adam_steps(path) -> int:
+    state = torch.load(path, map_location="cpu", weights_only=True)["optimizer"]["state"]
+    return int(next(iter(state.values()))["step"])
+
+
+@pytest.mark.slow
+def test_a_stop_mid_window_saves_whole_steps_and_resume_counts_every_step(imagefolder_root,
+                                                                          tmp_path):
+    """48 images, micro-batches of 8, K = 2: 3 optimizer steps an epoch. SIGTERM during the
+    second step's first micro-batch: that step is finished, then saved (2 steps, no half
+    window); --resume then ends with the 6 optimizer steps of an uninterrupted run."""
+    ckpt = tmp_path / "ckpt"
+    run_dir = ckpt / "train_without"
+    flags = ["--dataset", "ImageFolder", "--dataset_root", str(imagefolder_root),
+             "--img_size", "64", "--batch_size", "8", "--accum_steps", "2", "--epochs", "2",
+             "--no-cuda", "--no-tensorboard", "--checkpoint", str(ckpt), "--arch", "resnet18"]
+    helper = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
+    res = subprocess.run([sys.executable, str(helper), "train_without", *flags],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, FAULT_SIGTERM_AT_LOSS="3"))
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr[-2000:]
+    stopped = torch.load(run_dir / "last.pth", map_location="cpu", weights_only=True)
+    assert (stopped["epoch"], stopped["step"]) == (0, 2)
+    assert _adam_steps(run_dir / "last.pth") == 2
+    res = subprocess.run([sys.executable, str(REPO_ROOT / "AMP" / "train_without.py"), *flags,
+                          "--resume"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resumed from" in clean_output(res.stdout) and "step 2" in res.stdout
+    assert _adam_steps(run_dir / "last.pth") == 6
