@@ -111,17 +111,22 @@ S="$DEV --dataset CIFAR10 --dataset_root $SCRATCH/small --img_size $S_IMG --batc
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node=1"  # one GPU here
 
 c=$CK/ddp_gs/train_DDP_GradScaler
-run ddp_gs 60 $TORCHRUN AMP/train_DDP_GradScaler.py $S --channels_last --epochs 1 --checkpoint "$CK/ddp_gs"
+# With gradient accumulation and clipping: no_sync on NCCL, unscale_ + clip with fused AdamW.
+run ddp_gs 60 $TORCHRUN AMP/train_DDP_GradScaler.py $S --channels_last --accum_steps 2 --clip_grad 1 \
+  --epochs 1 --checkpoint "$CK/ddp_gs"
 keep "$WORK/ddp_gs.txt" 4
 needs "$c/last.pth" eval_ddp_autocast &&
   run eval_ddp_autocast 45 $TORCHRUN AMP/eval_DDP.py $DEV --autocast --checkpoint "$c/last.pth"
 keep "$WORK/eval_ddp_autocast.txt" 2; drop ddp_gs
 
 c=$CK/fsdp_gs/train_FSDP_GradScaler
-run fsdp_gs 60 $TORCHRUN AMP/train_FSDP_GradScaler.py $S --epochs 1 --checkpoint "$CK/fsdp_gs"
+# set_requires_gradient_sync and clip_grad_norm_ on DTensors, on CUDA.
+run fsdp_gs 60 $TORCHRUN AMP/train_FSDP_GradScaler.py $S --accum_steps 2 --clip_grad 1 --epochs 1 \
+  --checkpoint "$CK/fsdp_gs"
 keep "$WORK/fsdp_gs.txt" 4
 needs "$c/last.pth" fsdp_gs_resume &&
-  run fsdp_gs_resume 60 $TORCHRUN AMP/train_FSDP_GradScaler.py $S --epochs 2 --resume --checkpoint "$CK/fsdp_gs"
+  run fsdp_gs_resume 60 $TORCHRUN AMP/train_FSDP_GradScaler.py $S --accum_steps 2 --clip_grad 1 \
+    --epochs 2 --resume --checkpoint "$CK/fsdp_gs"
 keep "$WORK/fsdp_gs_resume.txt" 5
 needs "$c/last.pth" eval_without && run eval_without 45 python3 AMP/eval_without.py $DEV --checkpoint "$c/last.pth"
 keep "$WORK/eval_without.txt" 2
@@ -143,6 +148,17 @@ keep "$WORK/eval_dp.txt" 2
 needs "$c/best.pth" eval_dp_autocast &&
   run eval_dp_autocast 45 python3 AMP/eval_DP.py $DEV --autocast --checkpoint "$c/best.pth"
 keep "$WORK/eval_dp_autocast.txt" 2; drop dp_gs
+
+# SIGTERM once the first epoch is saved (exit 143, last.pth mid-run), then --resume to the end:
+# the stop's save and the restored CUDA RNG state and GradScaler, on the GPU.
+c=$CK/sigterm/train_GradScaler
+run sigterm 60 bash -c "python3 AMP/train_GradScaler.py $S --epochs 4 --checkpoint $CK/sigterm & p=\$!; \
+  while kill -0 \$p 2>/dev/null && [ ! -f $c/last.pth ]; do sleep 0.2; done; \
+  kill -TERM \$p 2>/dev/null; wait \$p; rc=\$?; echo exit status \$rc; [ \$rc -eq 143 ]"
+keep "$WORK/sigterm.txt" 4
+needs "$c/last.pth" sigterm_resume &&
+  run sigterm_resume 60 python3 AMP/train_GradScaler.py $S --epochs 4 --resume --checkpoint "$CK/sigterm"
+keep "$WORK/sigterm_resume.txt" 5; drop sigterm
 
 run train_tf32 45 python3 AMP/train_without.py $S --tf32 --epochs 1 --checkpoint "$CK/train_tf32"
 keep "$WORK/train_tf32.txt" 4; drop train_tf32

@@ -109,8 +109,12 @@ finish() {
             printf '%s %s KiB, ' "${f#./}" "$(du -k "$f" | cut -f1)"; done)
   [ "$files" -le 8 ] && [ "$deep" -eq 0 ] && [ "$big" -eq 0 ] || ok=1
   [ -n "$FAILED" ] && ok=1
+  local verdict
+  verdict="$([ -n "$FAILED" ] && echo "FAILED:$FAILED" || echo "no step failed")"
   log "done: $files files under \$OUT (${sizes%, }), $deep deeper than 2 folders," \
-      "$big over ${max} KiB; $PASSED steps passed;" \
-      "$([ -n "$FAILED" ] && echo "FAILED:$FAILED" || echo "no step failed")"
+      "$big over ${max} KiB; $PASSED steps passed; $verdict"
+  # The verdict first too, where a reader starts.
+  { echo "$PASSED steps passed; $verdict"; cat "$OUT/summary.txt"; } > "$OUT/summary.txt.new" &&
+    mv -f "$OUT/summary.txt.new" "$OUT/summary.txt"
   return $ok
 }

@@ -71,6 +71,12 @@ if str(AMP_DIR) not in sys.path:
 
 DEFAULT_TIMEOUT = 600  # seconds; generous: the test machine's 2 cores are shared
 
+# The network of the tests that are about the machinery (resuming, signals, restarts, FSDP2,
+# DDP, compare), not about AlexNet: small (2.5M parameters), and quick in bfloat16 even on a
+# CPU without native bfloat16, where AlexNet's autocast steps are ~40x slower than its fp32
+# ones (measured on this project's 2-core test machine). AlexNet's own runs: test_scripts.py.
+FAST_ARCH = "mobilenet_v3_small"
+
 # ---------------------------------------------------------------- data: ImageFolder
 IF_CLASSES = ("blue", "green", "red")  # ImageFolder sorts class folders by name
 IF_COLOURS = {"red": (210, 40, 40), "green": (40, 190, 40), "blue": (40, 40, 210)}

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import (IF_VAL_SIZE, REPO_ROOT, as_a_dataparallel_replica, clean_output,
+from conftest import (FAST_ARCH, IF_VAL_SIZE, REPO_ROOT, as_a_dataparallel_replica, clean_output,
                       parse_accuracy, run_script, tiny_args)
 
 CPU = torch.device("cpu")
@@ -70,17 +70,18 @@ def test_pretrained_head_is_resized_for_the_data_set():
 
 # ------------------------------------------------------------------ --arch: end to end
 @pytest.mark.slow
-def test_resnet18_under_ddp_autocast_and_exact_eval(imagefolder_root, tmp_path):
-    args = tiny_args(tmp_path, imagefolder_root, batch_size=12) + ["--arch", "resnet18"]
+def test_another_arch_under_ddp_autocast_and_exact_eval(imagefolder_root, tmp_path):
+    """ShuffleNet V2 under DDP with autocast, then eval_DDP rebuilds it from the checkpoint."""
+    args = tiny_args(tmp_path, imagefolder_root, batch_size=12) + ["--arch", "shufflenet_v2_x0_5"]
     res = run_script("train_DDP_autocast", *args, torchrun_nproc=2)
     assert res.returncode == 0, res.describe()
     assert "precision autocast (bfloat16)" in res.stdout
     ckpt = tmp_path / "checkpoint" / "train_DDP_autocast" / "last.pth"
     state = torch.load(ckpt, weights_only=True, mmap=True)
-    assert state["arch"] == "resnet18" and "fc.weight" in state["model"]
-    ev = run_script("eval_DDP", "--checkpoint", ckpt, "--no-cuda")  # rebuilds the ResNet-18
+    assert state["arch"] == "shufflenet_v2_x0_5" and "fc.weight" in state["model"]
+    ev = run_script("eval_DDP", "--checkpoint", ckpt, "--no-cuda")  # rebuilds the ShuffleNet
     assert ev.returncode == 0, ev.describe()
-    assert "(resnet18, trained on ImageFolder" in ev.stdout
+    assert "(shufflenet_v2_x0_5, trained on ImageFolder" in ev.stdout
     # The last epoch's validation (2 ranks, exact) counted the same on the same weights.
     *_, correct, total = re.findall(r"val_acc \S+ \((\d+)/(\d+)\)", res.stdout)[-1]
     assert parse_accuracy(ev.stdout) == (int(correct), int(total)) and int(total) == IF_VAL_SIZE
@@ -134,7 +135,7 @@ def test_fsdp_gradients_match_a_single_process_reference():
 
 @pytest.mark.slow
 def test_fsdp_resumes_after_sigkill(imagefolder_root, tmp_path):
-    flags = tiny_args(tmp_path, imagefolder_root, epochs=3, batch_size=8) + ["--arch", "resnet18"]
+    flags = tiny_args(tmp_path, imagefolder_root, epochs=3, batch_size=8) + ["--arch", FAST_ARCH]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO_ROOT / "AMP" / "train_FSDP_GradScaler.py"), *flags]
     run_dir = tmp_path / "checkpoint" / "train_FSDP_GradScaler"
@@ -157,7 +158,7 @@ def test_fsdp_resumes_after_sigkill(imagefolder_root, tmp_path):
         assert f"resumed from {run_dir / 'last.pth'}: epoch {done + 1}" in res.stdout
     final = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)
     assert final["epoch"] == 3 and final["scaler"]["scale"] > 0
-    assert "layer1.0.conv1.weight" in final["optimizer"]["state"]  # the full, gathered state
+    assert "features.0.0.weight" in final["optimizer"]["state"]  # the full, gathered state
     rows = [json.loads(line)["epoch"] for line in (run_dir / "log.jsonl").read_text().splitlines()]
     assert rows == [1, 2, 3]
 

@@ -7,6 +7,8 @@ import threading
 import pytest
 import torch
 
+from conftest import FAST_ARCH
+
 from ampkit.machinery import checkpoint as ckpt_io
 
 
@@ -80,7 +82,7 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
     monkeypatch.setattr(train, "count_correct", forced)
     train_without.main(["--dataset", "ImageFolder", "--dataset_root", str(imagefolder_root),
                         "--img_size", "64", "--batch_size", "48", "--epochs", "3", "--no-cuda",
-                        "--no-tensorboard", "--checkpoint", str(tmp_path), "--arch", "resnet18",
+                        "--no-tensorboard", "--checkpoint", str(tmp_path), "--arch", FAST_ARCH,
                         "--save_every", save_every])
     assert [(name, epoch) for name, epoch, _ in writes] == expected
     assert {thread for *_, thread in writes} == {"checkpoint"}, "written in the background"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IF_VAL_SIZE, event_files, run_script
+from conftest import FAST_ARCH, IF_VAL_SIZE, event_files, run_script
 
 from ampkit.machinery import report, runner  # AMP/ is on sys.path (conftest)
 
@@ -219,7 +219,7 @@ def comparison(tmp_path_factory, imagefolder_root):
     res = run_script("compare", "--variants", ",".join([OK_VARIANTS[0], FAILING, OK_VARIANTS[1]]),
                      "--dataset", "ImageFolder", "--dataset_root", imagefolder_root,
                      "--img_size", "64", "--epochs", "1", "--batch_size", "16", "--lr", "1e-3",
-                     "--arch", "resnet18",  # compare's mechanics; AlexNet's runs: test_scripts
+                     "--arch", FAST_ARCH,  # compare's mechanics; AlexNet's runs: test_scripts
                      "--no-cuda", "--out", tmp / "results", "--tensorboard_root", tmp / "tb",
                      "--extra_args", f"{FAILING}=--bogus_flag 1")
     runs = sorted((tmp / "results").iterdir())

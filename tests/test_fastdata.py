@@ -251,6 +251,7 @@ def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
     return correct / total, losses
 
 
+@pytest.mark.slow  # 4 epochs on each path: a learning test, not one of the quick checks
 def test_fast_path_learns_as_well_as_classic(tmp_path):
     root = write_cifar10(tmp_path, 128, 48, learnable=True, num_classes=4)
     img_size, batch = 64, 16

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import IF_TRAIN_SIZE, REPO_ROOT, clean_output
+from conftest import FAST_ARCH, IF_TRAIN_SIZE, REPO_ROOT, clean_output
 
 def _args(root: Path, ckpt: Path, *extra: str, dataset: str = "ImageFolder") -> list:
-    """A quick in-process run: a ResNet-18 (what fails here is not about the network)."""
+    """A quick in-process run on conftest.FAST_ARCH (what fails here is not the network)."""
     return ["--dataset", dataset, "--dataset_root", str(root), "--img_size", "64",
             "--batch_size", "48", "--epochs", "1", "--no-cuda", "--no-tensorboard",
-            "--checkpoint", str(ckpt), "--arch", "resnet18", *[str(e) for e in extra]]
+            "--checkpoint", str(ckpt), "--arch", FAST_ARCH, *[str(e) for e in extra]]
 
 
 def _main(script: str, argv: list, capsys) -> tuple:
@@ -336,6 +336,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.slow  # the first run is a process of its own
 def test_second_run_in_the_same_folder_is_refused_until_the_first_dies(imagefolder_root,
                                                                       tmp_path, capsys):
     run_dir = tmp_path / "ckpt" / "train_without"
@@ -456,7 +457,7 @@ def test_eval_says_what_the_checkpoint_was_trained_on(imagefolder_root, tmp_path
     code, out, err = _main("eval_without", ["--checkpoint", str(run_dir / "last.pth"),
                                             "--no-cuda"], capsys)
     assert code == 0 and not err, err
-    assert f"(resnet18, trained on ImageFolder in {imagefolder_root} at 64px)" in out, out
+    assert f"({FAST_ARCH}, trained on ImageFolder in {imagefolder_root} at 64px)" in out, out
     code, out, err = _main("eval_without", ["--checkpoint", str(run_dir / "last.pth"),
                                             "--no-cuda", "--dataset_root", str(other)], capsys)
     assert code == 0 and len(err) == 1, err

@@ -10,6 +10,8 @@ import tarfile
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO_ROOT
 
 # A step that starts a child in a new session (as conftest.run_script does), which would
@@ -30,6 +32,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has ended; only its exit status is left
 
 
+@pytest.mark.slow  # a step of two processes, stopped by its timeout
 def test_a_step_stopped_by_its_timeout_leaves_no_process(tmp_path):
     out, work, pidfile = tmp_path / "out", tmp_path / "work", tmp_path / "pid"
     out.mkdir()

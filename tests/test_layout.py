@@ -199,3 +199,15 @@ def test_no_long_functions_or_classes():
 def test_no_private_attribute_in_the_scripts():
     for name in SCRIPTS:
         assert not re.search(r"\.\s*_[a-z]", "\n".join(_code(name))), name
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_describes_the_script_by_its_docstrings_first_line(name, capsys):
+    import importlib
+
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    first = module.__doc__.strip().splitlines()[0]
+    assert " ".join(first.split()) in " ".join(capsys.readouterr().out.split())

@@ -161,8 +161,10 @@ def test_dtype_in_a_worker_thread_under_callers_autocast(model, images):
     assert results["alexnet"] == torch.bfloat16
 
 
-@pytest.mark.parametrize("arch", ["alexnet", "vgg11", "mobilenet_v3_small"])
-@pytest.mark.parametrize("dp_scope", ["model", "features"])
+@pytest.mark.parametrize("arch,dp_scope", [("alexnet", "model"), ("alexnet", "features"),
+                                           ("mobilenet_v3_small", "model"),
+                                           ("mobilenet_v3_small", "features"),
+                                           ("vgg11", "features")])
 def test_what_dataparallel_replicates_keeps_the_run_dtype(arch, dp_scope):
     """DataParallel's workers call what it replicates -- the model, or model.features alone
     with --dp_scope features -- under ``autocast(device_type, enabled=True)``, which takes
@@ -210,38 +212,38 @@ def test_amp_dtype_is_not_saved_in_the_state_dict():
     assert all(v.dtype == torch.float32 for v in amp.state_dict().values())
 
 
-@pytest.mark.parametrize("flag,expected", [(True, "high True tf32"),
-                                           (False, "highest False ieee")])
-def test_tf32_flags_stay_readable_after_set_tf32(flag, expected):
+@pytest.mark.slow  # a process of its own: the settings are process-wide
+def test_tf32_flags_stay_readable_after_set_tf32():
     """--tf32/--no-tf32 set TF32 so that every later reading of the matmul precision works:
     inductor's autotuning (--compile) calls torch.get_float32_matmul_precision(), which
-    raises on torch 2.14 after torch.backends.cuda.matmul.fp32_precision is set."""
+    raises on torch 2.14 after torch.backends.cuda.matmul.fp32_precision is set. (In a
+    process of its own: these are process-wide settings.)"""
     import subprocess
     import sys
 
     from conftest import AMP_DIR
 
-    code = (f"import sys; sys.path.insert(0, {str(AMP_DIR)!r}); import torch; "
-            f"from ampkit.precision import set_tf32; set_tf32({flag}); "
-            "print(torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32, "
+    read = ("print(torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32, "
             "torch.backends.cudnn.conv.fp32_precision)")
+    code = (f"import sys; sys.path.insert(0, {str(AMP_DIR)!r}); import torch; "
+            f"from ampkit.precision import set_tf32; set_tf32(True); {read}; "
+            f"set_tf32(False); {read}")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split() == expected.split()
+    assert res.stdout.split() == "high True tf32 highest False ieee".split()
 
 
 def test_compile_runs_the_backward_outside_autocast():
     """The loops call backward() outside autocast; a compiled backward must too (torch's AMP
     notes: backward_pass_autocast "off"; the default runs it under the forward's autocast)."""
-    import subprocess
-    import sys
+    from torch._functorch import config
 
-    from conftest import AMP_DIR
+    from ampkit.precision import compile_in_place
 
-    code = (f"import sys; sys.path.insert(0, {str(AMP_DIR)!r}); import torch; "
-            "from torch._functorch import config; from ampkit.precision import compile_in_place; "
-            "before = config.backward_pass_autocast; compile_in_place(torch.nn.Linear(2, 2)); "
-            "print(before, config.backward_pass_autocast)")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split() == ["same_as_forward", "off"]
+    before = config.backward_pass_autocast
+    try:
+        assert before == "same_as_forward"  # torch's default
+        compile_in_place(nn.Linear(2, 2))  # compiles lazily: at its first call, not here
+        assert config.backward_pass_autocast == "off"
+    finally:
+        config.backward_pass_autocast = before

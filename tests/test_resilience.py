@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO_ROOT as REPO, clean_output, run_script
+from conftest import FAST_ARCH, REPO_ROOT as REPO, clean_output, run_script
 
 HELPER = REPO / "tests" / "helpers" / "faulty_train.py"
 
 
 def _tiny(root: Path, ckpt: Path, *extra: str) -> list[str]:
     """A quick run. These tests are about resuming, signals and restarts, not the network:
-    a ResNet-18 (11M parameters, 130 MB checkpoints) runs them in a fraction of AlexNet's
-    time (57M parameters, 684 MB); AlexNet's own runs are in test_scripts.py."""
+    conftest.FAST_ARCH (2.5M parameters, 10 MB checkpoints) runs them in a fraction of
+    AlexNet's time (57M parameters, 684 MB); AlexNet's own runs are in test_scripts.py."""
     return ["--dataset", "ImageFolder", "--dataset_root", str(root), "--img_size", "64",
             "--batch_size", "8", "--checkpoint", str(ckpt), "--no-tensorboard", "--lr", "1e-3",
-            "--arch", "resnet18", *extra]
+            "--arch", FAST_ARCH, *extra]
 
 
 def _epochs_logged(run_dir: Path) -> list[int]:
@@ -159,8 +159,10 @@ def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_p
     assert state["optimizer"]["param_groups"][0]["fused"] is True
     state["optimizer"]["param_groups"][0]["fused"] = None
     torch.save(state, run_dir / "last.pth")
-    rc, out, err = run_script("train_GradScaler", *_tiny(imagefolder_root, ckpt, "--epochs", "2",
-                                                            "--resume"))
+    # Without --lr: the optimizer goes on at its saved learning rate.
+    argv = _tiny(imagefolder_root, ckpt, "--epochs", "2", "--resume")
+    del argv[argv.index("--lr"):argv.index("--lr") + 2]
+    rc, out, err = run_script("train_GradScaler", *argv)
     assert rc == 0, err
     assert "lr 3.00e-04" in out
     assert "scale 1024" in out or "scale 2048" in out
@@ -488,6 +490,7 @@ def test_bad_input_one_line_error(name, imagefolder_root, tmp_path, capsys):
     assert not list((tmp_path / "ckpt").rglob("*.pth"))
 
 
+@pytest.mark.slow  # a process of its own, as a user runs it
 @pytest.mark.parametrize("name", ["ImageFolder without train/val"])
 def test_bad_input_as_a_user_sees_it(name, imagefolder_root, tmp_path):
     """The same through a real process: exit 2, one line, no traceback."""

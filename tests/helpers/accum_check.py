@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=2 tests/helpers/accum_check.py
 
-Every rank builds the same AlexNet (same seed, eval mode: no dropout). The reference takes
+Every rank builds the same small network (MobileNet V3: same seed, eval mode: no dropout,
+BatchNorm on its running statistics, so each image's gradient is its own). The reference takes
 the whole global batch of 16 in one backward pass, in one process. DDP and FSDP2 (each
 through its training script's own build() and train_step) take one optimizer step over
 --accum_steps 4 micro-batches of 2 images on each rank: their gradients must be the
@@ -22,13 +23,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E
 
 import train_DDP  # noqa: E402
 import train_FSDP  # noqa: E402
-from alexnet import alexnet  # noqa: E402
+from ampkit.models import build_model  # noqa: E402
 from ampkit.engine import Parts  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
-model = alexnet(num_classes=3).eval()
+model = build_model("mobilenet_v3_small", 3).eval()
 gen = torch.Generator().manual_seed(1)
 images = torch.randn(8 * world, 3, 64, 64, generator=gen)
 targets = torch.randint(0, 3, (8 * world,), generator=gen)
@@ -63,7 +64,7 @@ fsdp = train_FSDP.build(Parts(torch.device("cpu"), copy.deepcopy(model), nn.Cros
 fsdp.step(window)
 fsdp_worst = worst({name: p.grad.full_tensor() for name, p in fsdp.model.named_parameters()})
 
-ok = len(rounds) == 1 and ddp_worst < 1e-5 and fsdp_worst < 1e-5
+ok = len(rounds) == 1 and ddp_worst < 1e-4 and fsdp_worst < 1e-4  # a sum for a mean: 1.0
 if rank == 0:
     print(f"DDP all-reduce rounds in one step of 4 micro-batches: {len(rounds)}; largest "
           f"relative gradient difference: DDP {ddp_worst:.2e}, FSDP2 {fsdp_worst:.2e}",
