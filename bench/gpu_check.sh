@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the GPU figures of the README, then every CUDA path of the
-# scripts, briefly: torchrun (NCCL) for DDP and FSDP2, DataParallel with GradScaler,
-# --resume, --tf32/--no-tf32, --compile, the three eval scripts, and the CUDA tests.
+# scripts, briefly: torchrun (NCCL) for DDP and FSDP2 (with gradient accumulation and
+# clipping), DataParallel with GradScaler, SIGTERM and --resume, --tf32/--no-tf32,
+# --compile, the three eval scripts, and the CUDA tests.
 #   bash bench/gpu_check.sh              # on the GPU (device tool: timeout_s 600)
-#   bash bench/gpu_check.sh --dry-run    # the same steps on the CPU at toy sizes (~7 min
+#   bash bench/gpu_check.sh --dry-run    # the same steps on the CPU at toy sizes (~6 min
 #                                        # on 2 cores): checks the script itself before GPU
 #                                        # time is spent
 # $OUT (default ./gpu_out) receives two files, as the device tool brings back at most 8:
-# summary.txt (every step's command, result lines, exit status, or why it was skipped; at
-# the end the figures as markdown tables, each step's status, and the failed steps) and
+# summary.txt (first the verdict; every step's command, result lines, exit status, or why
+# it was skipped; at the end the figures as markdown tables, each step's status, and the
+# failed steps) and
 # details.tar.gz (each step's whole output, JSON and log.jsonl), repacked after every step.
 # Checkpoints and data sets live outside what is packed and are deleted once the steps
 # that read them are over; any file over 1 MiB stays out of the archive (named in the
