@@ -12,6 +12,10 @@ Fixtures (session-scoped, generated once per test session, never touching the re
     i.e. 48 train / 21 val: the val size is odd, so no world size > 1 divides it.
     See ``IF_CLASSES``, ``IF_TRAIN_PER_CLASS``, ``IF_VAL_PER_CLASS``, ``IF_VAL_SIZE``.
 
+``mini_imagefolder_root`` -> Path
+    The same, with ``MINI_TRAIN_PER_CLASS`` train and ``MINI_VAL_PER_CLASS`` val images
+    per class (6 / 3): for a run whose network is slow on this CPU.
+
 ``cifar_root`` -> Path
     A tiny CIFAR-10 in torchvision's on-disk format (what ``cifar-10-python.tar.gz``
     extracts to): ``<root>/cifar-10-batches-py/data_batch_1..5``, ``test_batch`` and
@@ -22,12 +26,22 @@ Fixtures (session-scoped, generated once per test session, never touching the re
 
 Functions:
 
+``python()`` -> str, ``REAL_PYTHON``
+    The interpreter that tests start scripts with: a wrapper that runs each as a fork of a
+    warm server that has imported torch (tests/helpers/zygote.py), a process of its own
+    without the ~5 s of imports; ``REAL_PYTHON`` is ``sys.executable``, for the tests that
+    check the interpreter itself. ``AMP_TESTS_ZYGOTE=0`` makes ``python()`` the real one.
+
+``kill_job(pid, sig)``, ``job_processes(pid)``
+    ``os.killpg`` for a job started with ``python()``, whose forked runs are not in the
+    group of the process the test started: ``sig`` once to every process that runs code.
+
 ``run_script(name, *args, torchrun_nproc=None, env=None, timeout=DEFAULT_TIMEOUT)``
     Run ``python AMP/<name>.py *args`` from the repository root, or, with
     ``torchrun_nproc=N``, ``python -m torch.distributed.run --standalone
     --nproc_per_node=N AMP/<name>.py *args`` (``--standalone`` picks a free
-    rendezvous port, so parallel runs never collide). ``name`` may be given with or
-    without ``.py``. ``env`` is merged over a copy of ``os.environ`` from which
+    rendezvous port, so parallel runs never collide), with ``python()``. ``name`` may be
+    given with or without ``.py``. ``env`` is merged over a copy of ``os.environ`` from which
     torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...) are removed; unless
     PYTHONWARNINGS is set, DeprecationWarnings raised for ``AMP/`` code are made
     visible (Python hides them by default outside ``__main__``), so
@@ -71,11 +85,15 @@ if str(AMP_DIR) not in sys.path:
 
 DEFAULT_TIMEOUT = 600  # seconds; generous: the test machine's 2 cores are shared
 
-# The network of the tests that are about the machinery (resuming, signals, restarts, FSDP2,
-# DDP, compare), not about AlexNet: small (2.5M parameters), and quick in bfloat16 even on a
-# CPU without native bfloat16, where AlexNet's autocast steps are ~40x slower than its fp32
-# ones (measured on this project's 2-core test machine). AlexNet's own runs: test_scripts.py.
-FAST_ARCH = "mobilenet_v3_small"
+# The network of the tests that are about the machinery (resuming, signals, restarts, DDP,
+# compare), not about AlexNet: small (0.34M parameters, with BatchNorm), and quick in
+# bfloat16 even on a CPU without native bfloat16, where AlexNet's autocast steps are ~40x
+# slower than its fp32 ones. Measured on this project's 2-core test machine, one step of 8
+# images at 64 px, fp32 / bf16 autocast: 49 / 163 ms, mobilenet_v3_small 72 / 359 ms.
+# FSDP2's runs take FSDP_ARCH: it warns about a sharded block whose output is a view, which
+# ShuffleNet's blocks return (channel shuffle). AlexNet's own runs: test_scripts.py.
+FAST_ARCH = "shufflenet_v2_x0_5"
+FSDP_ARCH = "mobilenet_v3_small"
 
 # ---------------------------------------------------------------- data: ImageFolder
 IF_CLASSES = ("blue", "green", "red")  # ImageFolder sorts class folders by name
@@ -84,6 +102,7 @@ IF_TRAIN_PER_CLASS = 16
 IF_VAL_PER_CLASS = 7
 IF_TRAIN_SIZE = IF_TRAIN_PER_CLASS * len(IF_CLASSES)  # 48
 IF_VAL_SIZE = IF_VAL_PER_CLASS * len(IF_CLASSES)      # 21 (odd)
+MINI_TRAIN_PER_CLASS, MINI_VAL_PER_CLASS = 2, 1  # mini_imagefolder_root: 6 train / 3 val
 IMG_PX = 32
 
 # ---------------------------------------------------------------- data: CIFAR-10
@@ -101,19 +120,30 @@ def _noisy_image(rng: np.random.Generator, colour: Sequence[int]) -> np.ndarray:
     return np.clip(base + noise, 0, 255).astype(np.uint8)
 
 
-@pytest.fixture(scope="session")
-def imagefolder_root(tmp_path_factory) -> Path:
+def _write_imagefolder(root: Path, train_per_class: int, val_per_class: int) -> Path:
     from PIL import Image
 
-    root = tmp_path_factory.mktemp("imagefolder")
     rng = np.random.default_rng(1234)
-    for split, per_class in (("train", IF_TRAIN_PER_CLASS), ("val", IF_VAL_PER_CLASS)):
+    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
         for name in IF_CLASSES:
             folder = root / split / name
             folder.mkdir(parents=True)
             for i in range(per_class):
                 Image.fromarray(_noisy_image(rng, IF_COLOURS[name])).save(folder / f"{i:03d}.png")
     return root
+
+
+@pytest.fixture(scope="session")
+def imagefolder_root(tmp_path_factory) -> Path:
+    return _write_imagefolder(tmp_path_factory.mktemp("imagefolder"), IF_TRAIN_PER_CLASS,
+                              IF_VAL_PER_CLASS)
+
+
+@pytest.fixture(scope="session")
+def mini_imagefolder_root(tmp_path_factory) -> Path:
+    """The same classes, 2 train and 1 val image each: a run whose network is slow here."""
+    return _write_imagefolder(tmp_path_factory.mktemp("mini_imagefolder"), MINI_TRAIN_PER_CLASS,
+                              MINI_VAL_PER_CLASS)
 
 
 def _cifar_colour(label: int) -> Tuple[int, int, int]:
@@ -212,12 +242,93 @@ def _kill_scripts_then_die(signum, frame):
     for pgid in list(_LIVE_GROUPS):
         with contextlib.suppress(OSError):
             os.killpg(pgid, signal.SIGKILL)
+    if "proc" in _ZYGOTE:
+        _ZYGOTE["proc"].terminate()  # and every run it forked
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
 
 def pytest_configure(config):
     signal.signal(signal.SIGTERM, _kill_scripts_then_die)
+
+
+# ---------------------------------------------------------------- the tests' python
+REAL_PYTHON = sys.executable
+_ZYGOTE: dict = {}
+
+
+def python() -> str:
+    """The interpreter the tests start scripts with: a wrapper that runs each as a fork of
+    a warm server with torch already imported (tests/helpers/zygote.py, which says what
+    that keeps of a fresh process), ~5 s less a process on the test machine. Started on
+    first use; ``AMP_TESTS_ZYGOTE=0`` gives the plain interpreter. A signal meant for a
+    whole job goes through ``kill_job``."""
+    if os.environ.get("AMP_TESTS_ZYGOTE", "1") == "0":
+        return REAL_PYTHON
+    if "wrapper" not in _ZYGOTE:
+        import shlex
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="ampz"))  # short: a socket path is <108 bytes
+        sock, wrapper = folder / "sock", folder / "python"
+        wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(REAL_PYTHON)} -S "
+                           f"{shlex.quote(str(REPO_ROOT / 'tests/helpers/python_via_zygote.py'))} "
+                           f"{shlex.quote(str(sock))} \"$@\"\n")
+        wrapper.chmod(0o755)
+        env = {k: v for k, v in os.environ.items()
+               if k not in _TORCHRUN_VARS + ("PYTHONWARNINGS", "OMP_NUM_THREADS")}
+        (folder / "runs").mkdir()
+        proc = subprocess.Popen([REAL_PYTHON, str(REPO_ROOT / "tests/helpers/zygote.py"),
+                                 str(sock), str(wrapper), str(folder / "runs")],
+                                cwd=REPO_ROOT, env=env,
+                                stdout=subprocess.PIPE, start_new_session=True, text=True)
+        ready = proc.stdout.readline().strip() == "ready"
+        _ZYGOTE.update(proc=proc, folder=folder,
+                       wrapper=str(wrapper) if ready else REAL_PYTHON)
+    return _ZYGOTE["wrapper"]
+
+
+def job_processes(pid: int) -> Tuple[List[int], List[int]]:
+    """(the processes that run the job started as ``pid``, the clients among its members
+    that stand for a forked run): its descendants, and the runs that the warm python forked
+    for any of them (tests/helpers/zygote.py keeps ``runs/<run pid>`` -> client pid)."""
+    parents: Dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text()
+                                          .rsplit(")", 1)[1].split()[1])
+    client_of: Dict[int, int] = {}
+    if "folder" in _ZYGOTE:
+        for run in (_ZYGOTE["folder"] / "runs").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                client_of[int(run.name)] = int(run.read_text())
+    job, grew = {pid}, True
+    while grew:
+        more = {p for p, parent in parents.items() if parent in job}
+        more |= {r for r, client in client_of.items() if client in job}
+        grew = not more <= job
+        job |= more
+    clients = {c for r, c in client_of.items() if r in job}
+    return sorted(job - clients), sorted(clients & job)
+
+
+def kill_job(pid: int, sig: int) -> None:
+    """``os.killpg`` for a job started with ``python()``: ``sig`` to every process of it
+    that runs code (once each: a client passes on what it gets, and ends as its run does)."""
+    runs, _ = job_processes(pid)
+    for p in runs:
+        with contextlib.suppress(OSError):
+            os.kill(p, sig)
+
+
+def pytest_unconfigure(config):
+    if "proc" in _ZYGOTE:
+        _ZYGOTE["proc"].terminate()
+        _ZYGOTE["proc"].wait()
+        import shutil
+
+        shutil.rmtree(_ZYGOTE["folder"], ignore_errors=True)
 
 
 def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
@@ -227,9 +338,9 @@ def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
     assert (REPO_ROOT / script).is_file(), f"no such script: {script}"
     argv = [str(a) for a in args]
     if torchrun_nproc is None:
-        cmd = [sys.executable, script, *argv]
+        cmd = [python(), script, *argv]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        cmd = [python(), "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={torchrun_nproc}", script, *argv]
     full_env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
     full_env.setdefault("PYTHONWARNINGS", _show_our_deprecations())
@@ -243,6 +354,7 @@ def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        kill_job(proc.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO_ROOT, clean_output
+from conftest import REPO_ROOT, clean_output, python
 
 CPU = torch.device("cpu")
 
@@ -121,7 +121,7 @@ def test_clipped_gradients_with_a_scaler_are_those_without(accum_steps):
 
 @pytest.mark.slow
 def test_ddp_and_fsdp_accumulate_as_one_process_and_ddp_reduces_once_a_step():
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+    res = subprocess.run([python(), "-m", "torch.distributed.run", "--standalone",
                           "--nproc_per_node=2", "tests/helpers/accum_check.py"],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -146,14 +146,14 @@ def test_a_stop_mid_window_saves_whole_steps_and_resume_counts_every_step(imagef
              "--img_size", "64", "--batch_size", "8", "--accum_steps", "2", "--epochs", "2",
              "--no-cuda", "--no-tensorboard", "--checkpoint", str(ckpt), "--arch", "resnet18"]
     helper = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
-    res = subprocess.run([sys.executable, str(helper), "train_without", *flags],
+    res = subprocess.run([python(), str(helper), "train_without", *flags],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, FAULT_SIGTERM_AT_LOSS="3"))
     assert res.returncode == 128 + signal.SIGTERM, res.stderr[-2000:]
     stopped = torch.load(run_dir / "last.pth", map_location="cpu", weights_only=True)
     assert (stopped["epoch"], stopped["step"]) == (0, 2)
     assert _adam_steps(run_dir / "last.pth") == 2
-    res = subprocess.run([sys.executable, str(REPO_ROOT / "AMP" / "train_without.py"), *flags,
+    res = subprocess.run([python(), str(REPO_ROOT / "AMP" / "train_without.py"), *flags,
                           "--resume"], cwd=REPO_ROOT, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

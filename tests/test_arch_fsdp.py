@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import (FAST_ARCH, IF_VAL_SIZE, REPO_ROOT, as_a_dataparallel_replica, clean_output,
-                      parse_accuracy, run_script, tiny_args)
+from conftest import (FSDP_ARCH, IF_VAL_SIZE, REPO_ROOT, as_a_dataparallel_replica, clean_output,
+                      kill_job, parse_accuracy, python, run_script, tiny_args)
 
 CPU = torch.device("cpu")
 
@@ -124,19 +124,9 @@ def test_bf16_under_dataparallel_for_any_arch():
 
 # ------------------------------------------------------------------ FSDP2
 @pytest.mark.slow
-def test_fsdp_gradients_match_a_single_process_reference():
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node=2", "tests/helpers/fsdp_grad_check.py"],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    assert "largest relative gradient difference" in res.stdout
-
-
-@pytest.mark.slow
 def test_fsdp_resumes_after_sigkill(imagefolder_root, tmp_path):
-    flags = tiny_args(tmp_path, imagefolder_root, epochs=3, batch_size=8) + ["--arch", FAST_ARCH]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    flags = tiny_args(tmp_path, imagefolder_root, epochs=2, batch_size=8) + ["--arch", FSDP_ARCH]
+    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO_ROOT / "AMP" / "train_FSDP_GradScaler.py"), *flags]
     run_dir = tmp_path / "checkpoint" / "train_FSDP_GradScaler"
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -148,19 +138,19 @@ def test_fsdp_resumes_after_sigkill(imagefolder_root, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # every process of the job, mid-save or mid-epoch
+        kill_job(proc.pid, signal.SIGKILL)  # every process of the job, mid-save or mid-epoch
         proc.communicate()
     done = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"]
-    assert 1 <= done <= 3
+    assert 1 <= done <= 2
     res = run_script("train_FSDP_GradScaler", *flags, "--resume", torchrun_nproc=2)
     assert res.returncode == 0, res.describe()
-    if done < 3:
+    if done < 2:
         assert f"resumed from {run_dir / 'last.pth'}: epoch {done + 1}" in res.stdout
     final = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)
-    assert final["epoch"] == 3 and final["scaler"]["scale"] > 0
+    assert final["epoch"] == 2 and final["scaler"]["scale"] > 0
     assert "features.0.0.weight" in final["optimizer"]["state"]  # the full, gathered state
     rows = [json.loads(line)["epoch"] for line in (run_dir / "log.jsonl").read_text().splitlines()]
-    assert rows == [1, 2, 3]
+    assert rows == [1, 2]
 
 
 @pytest.fixture

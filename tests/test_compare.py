@@ -318,7 +318,8 @@ def test_compare_test_accuracy_is_what_the_eval_script_prints(comparison, varian
 def test_benchmark_prints_positive_throughput_for_model_and_input_pipeline(tmp_path):
     out = tmp_path / "bench.json"
     res = run_script("benchmark", "--no-cuda", "--variants", "train_without,train_DDP_autocast",
-                     "--img_size", "64", "--batch_size", "4", "--steps", "2", "--warmup", "1",
+                     "--arch", FAST_ARCH, "--img_size", "64", "--batch_size", "4", "--steps", "2",
+                     "--warmup", "1",
                      "--pipeline_batches", "2", "--peak_tflops", "1", "--peak_tflops_fp32",
                      "0.5", "--json", out,
                      "--dataset_root", tmp_path / "no_cifar")  # -> generated CIFAR-format images

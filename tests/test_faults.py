@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAST_ARCH, IF_TRAIN_SIZE, REPO_ROOT, clean_output
+from conftest import FAST_ARCH, IF_TRAIN_SIZE, REPO_ROOT, clean_output, kill_job, python
 
 def _args(root: Path, ckpt: Path, *extra: str, dataset: str = "ImageFolder") -> list:
     """A quick in-process run on conftest.FAST_ARCH (what fails here is not the network)."""
@@ -494,7 +494,7 @@ def test_a_killed_ddp_worker_leaves_one_line_per_survivor(imagefolder_root, tmp_
     ckpt = tmp_path / "ckpt"
     flags = _args(imagefolder_root, ckpt, "--epochs", "50", "--log_every", "1")
     flags[flags.index("--batch_size") + 1] = "4"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO_ROOT / "AMP" / "train_DDP.py"), *flags]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -506,11 +506,11 @@ def test_a_killed_ddp_worker_leaves_one_line_per_survivor(imagefolder_root, tmp_
             time.sleep(0.1)
         worker = subprocess.run(["pgrep", "-f", "-n", "train_DDP.py"], capture_output=True,
                                 text=True).stdout.split()
-        os.kill(int(worker[-1]), signal.SIGKILL)  # the newest worker process
+        kill_job(int(worker[-1]), signal.SIGKILL)  # the newest worker process
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     ours = [ln for ln in clean_output(err).splitlines() if "train_DDP.py: error" in ln]
     assert len(ours) == 1 and "lost a peer process" in ours[0], err[-3000:]

@@ -6,9 +6,10 @@ off, checkpoint contents, and the eval scripts, which evaluate those checkpoints
 DDP scripts run under ``torchrun --nproc_per_node=2`` (gloo on the CPU).
 
 Plan of the training runs (48 train / 21 val ImageFolder images, 64 px, CPU; AlexNet in
-fp32 and in FSDP2's mixed precision, the autocast variants on conftest.FAST_ARCH):
+fp32, the autocast variants on conftest.FAST_ARCH, FSDP2's on conftest.FSDP_ARCH):
 - train_without: 3 epochs (also the learning test);
 - train_GradScaler: on the generated CIFAR-10 files (the CIFAR-10 code path);
+- train_FSDP_mixed: AlexNet in bf16 on 6 train / 3 val images (conftest.mini_imagefolder_root);
 - train_DDP_GradScaler: with --tensorboard (rank 0 only must write);
 - all others: 1 epoch, --no-tensorboard.
 """
@@ -24,9 +25,9 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from conftest import (CIFAR_TEST_SIZE, CIFAR_TRAIN_SIZE, FAST_ARCH, IF_TRAIN_SIZE, IF_VAL_SIZE,
-                      ScriptResult, assert_clean_stderr, event_files, parse_accuracy,
-                      run_script, tiny_args)
+from conftest import (CIFAR_TEST_SIZE, CIFAR_TRAIN_SIZE, FAST_ARCH, FSDP_ARCH, IF_TRAIN_SIZE,
+                      IF_VAL_SIZE, MINI_TRAIN_PER_CLASS, MINI_VAL_PER_CLASS, ScriptResult,
+                      assert_clean_stderr, event_files, parse_accuracy, run_script, tiny_args)
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +38,9 @@ TRAIN_SCRIPTS = ["train_without", "train_autocast", "train_GradScaler",
 
 # Per variant: epochs, batch size, data set, processes, TensorBoard.
 # AlexNet in fp32; the autocast variants on FAST_ARCH (conftest.py: AlexNet's bf16 steps are
-# ~40x slower than its fp32 ones on a CPU without native bfloat16); FSDP2_mixed on AlexNet,
-# which has no BatchNorm, over the least data that trains a step on each rank.
+# ~40x slower than its fp32 ones on a CPU without native bfloat16); FSDP2_mixed on AlexNet
+# (no BatchNorm, which bf16 parameters refuse, and no block returning a view, which FSDP2
+# warns about), over the least data that trains a step on each rank.
 PLAN: Dict[str, dict] = {
     "train_without": dict(epochs=3, batch_size=16),       # 3 steps an epoch
     "train_autocast": dict(batch_size=48, arch=FAST_ARCH),  # 1 step, 1 val batch
@@ -50,12 +52,17 @@ PLAN: Dict[str, dict] = {
     "train_DDP_autocast": dict(batch_size=24, nproc=2, arch=FAST_ARCH),
     "train_DDP_GradScaler": dict(batch_size=12, nproc=2, tensorboard=True,  # 2 steps per rank
                                  arch=FAST_ARCH),
-    "train_FSDP": dict(batch_size=24, nproc=2, arch=FAST_ARCH),
-    "train_FSDP_autocast": dict(batch_size=24, nproc=2, arch=FAST_ARCH),
-    "train_FSDP_GradScaler": dict(batch_size=24, nproc=2, arch=FAST_ARCH),
-    "train_FSDP_mixed": dict(batch_size=24, nproc=2),  # AlexNet: no BatchNorm
+    "train_FSDP": dict(batch_size=24, nproc=2, arch=FSDP_ARCH),
+    "train_FSDP_autocast": dict(batch_size=24, nproc=2, arch=FSDP_ARCH),
+    "train_FSDP_GradScaler": dict(batch_size=24, nproc=2, arch=FSDP_ARCH),
+    "train_FSDP_mixed": dict(batch_size=3, nproc=2, dataset="mini"),  # 3 images per rank
 }
 TB_VARIANT = "train_DDP_GradScaler"
+
+# The data sets of PLAN: the --dataset flag, train and val images, classes.
+DATA = {"ImageFolder": ("ImageFolder", IF_TRAIN_SIZE, IF_VAL_SIZE, 3),
+        "CIFAR10": ("CIFAR10", CIFAR_TRAIN_SIZE, CIFAR_TEST_SIZE, 10),
+        "mini": ("ImageFolder", 3 * MINI_TRAIN_PER_CLASS, 3 * MINI_VAL_PER_CLASS, 3)}
 
 HEADER = re.compile(r"^(?P<variant>train_\w+): (?P<dataset>\w+) \((?P<train>\d+) train / "
                     r"(?P<val>\d+) val images, (?P<classes>\d+) classes\) at (?P<px>\d+)px on "
@@ -71,21 +78,14 @@ class TrainRun:
     run_dir: Path        # <checkpoint>/<variant>
     tb_root: Path        # what --tensorboard_log pointed at
     epochs: int
-    dataset: str
+    data: str            # a key of DATA
     nproc: Optional[int]
     arch: str = "alexnet"
 
-    @property
-    def n_train(self) -> int:
-        return CIFAR_TRAIN_SIZE if self.dataset == "CIFAR10" else IF_TRAIN_SIZE
-
-    @property
-    def n_val(self) -> int:
-        return CIFAR_TEST_SIZE if self.dataset == "CIFAR10" else IF_VAL_SIZE
-
-    @property
-    def n_classes(self) -> int:
-        return 10 if self.dataset == "CIFAR10" else 3
+    dataset = property(lambda self: DATA[self.data][0])    # the --dataset flag
+    n_train = property(lambda self: DATA[self.data][1])
+    n_val = property(lambda self: DATA[self.data][2])
+    n_classes = property(lambda self: DATA[self.data][3])
 
     def ok(self) -> "TrainRun":
         assert self.result.returncode == 0, self.result.describe()
@@ -102,8 +102,9 @@ class TrainRun:
 class Runs:
     """Lazily runs each training variant once; every test asking for it shares the run."""
 
-    def __init__(self, root: Path, imagefolder_root: Path, cifar_root: Path) -> None:
-        self.root, self.imagefolder_root, self.cifar_root = root, imagefolder_root, cifar_root
+    def __init__(self, root: Path, data_roots: Dict[str, Path]) -> None:
+        self.root, self.data_roots = root, data_roots
+        self.imagefolder_root = data_roots["ImageFolder"]
         self._train: Dict[str, TrainRun] = {}
         self._eval: Dict[tuple, ScriptResult] = {}
 
@@ -111,14 +112,14 @@ class Runs:
         if variant not in self._train:
             plan = dict(PLAN[variant])
             nproc = plan.pop("nproc", None)
-            dataset = plan.pop("dataset", "ImageFolder")
+            data = plan.pop("dataset", "ImageFolder")
             arch = plan.pop("arch", "alexnet")
-            data_root = self.cifar_root if dataset == "CIFAR10" else self.imagefolder_root
             epochs = plan.setdefault("epochs", 1)
-            args = tiny_args(self.root, data_root, dataset=dataset, lr=1e-4, **plan)
+            args = tiny_args(self.root, self.data_roots[data], dataset=DATA[data][0], lr=1e-4,
+                             **plan)
             result = run_script(variant, *args, "--arch", arch, torchrun_nproc=nproc)
             self._train[variant] = TrainRun(variant, result, self.root / "checkpoint" / variant,
-                                            self.root / "tensorboard", epochs, dataset, nproc,
+                                            self.root / "tensorboard", epochs, data, nproc,
                                             arch)
         return self._train[variant]
 
@@ -132,9 +133,10 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, imagefolder_root, cifar_root):
+def runs(tmp_path_factory, imagefolder_root, cifar_root, mini_imagefolder_root):
     root = tmp_path_factory.mktemp("runs")
-    yield Runs(root, imagefolder_root, cifar_root)
+    yield Runs(root, {"ImageFolder": imagefolder_root, "CIFAR10": cifar_root,
+                      "mini": mini_imagefolder_root})
     shutil.rmtree(root, ignore_errors=True)  # each run leaves ~1.4 GB of checkpoints
 
 
