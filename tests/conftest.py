@@ -250,6 +250,9 @@ def _kill_scripts_then_die(signum, frame):
 
 def pytest_configure(config):
     signal.signal(signal.SIGTERM, _kill_scripts_then_die)
+    if (os.environ.get("AMP_TESTS_ZYGOTE", "1") != "0"
+            and "not slow" not in (config.option.markexpr or "")):
+        _start_zygote()  # its imports overlap the collection's
 
 
 # ---------------------------------------------------------------- the tests' python
@@ -257,34 +260,39 @@ REAL_PYTHON = sys.executable
 _ZYGOTE: dict = {}
 
 
+def _start_zygote() -> None:
+    """Start the server (it imports torch while the caller goes on); ``python()`` waits."""
+    import shlex
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="ampz"))  # short: a socket path is <108 bytes
+    sock, wrapper = folder / "sock", folder / "python"
+    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(REAL_PYTHON)} -S "
+                       f"{shlex.quote(str(REPO_ROOT / 'tests/helpers/python_via_zygote.py'))} "
+                       f"{shlex.quote(str(sock))} \"$@\"\n")
+    wrapper.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if k not in _TORCHRUN_VARS + ("PYTHONWARNINGS", "OMP_NUM_THREADS")}
+    (folder / "runs").mkdir()
+    proc = subprocess.Popen([REAL_PYTHON, str(REPO_ROOT / "tests/helpers/zygote.py"),
+                             str(sock), str(wrapper), str(folder / "runs")], cwd=REPO_ROOT,
+                            env=env, stdout=subprocess.PIPE, start_new_session=True, text=True)
+    _ZYGOTE.update(proc=proc, folder=folder, pending=str(wrapper))
+
+
 def python() -> str:
     """The interpreter the tests start scripts with: a wrapper that runs each as a fork of
     a warm server with torch already imported (tests/helpers/zygote.py, which says what
-    that keeps of a fresh process), ~5 s less a process on the test machine. Started on
-    first use; ``AMP_TESTS_ZYGOTE=0`` gives the plain interpreter. A signal meant for a
-    whole job goes through ``kill_job``."""
+    that keeps of a fresh process), ~5 s less a process on the test machine. Started with
+    the session when slow tests are selected, else on first use; ``AMP_TESTS_ZYGOTE=0``
+    gives the plain interpreter. A signal meant for a whole job goes through ``kill_job``."""
     if os.environ.get("AMP_TESTS_ZYGOTE", "1") == "0":
         return REAL_PYTHON
+    if "proc" not in _ZYGOTE:
+        _start_zygote()
     if "wrapper" not in _ZYGOTE:
-        import shlex
-        import tempfile
-
-        folder = Path(tempfile.mkdtemp(prefix="ampz"))  # short: a socket path is <108 bytes
-        sock, wrapper = folder / "sock", folder / "python"
-        wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(REAL_PYTHON)} -S "
-                           f"{shlex.quote(str(REPO_ROOT / 'tests/helpers/python_via_zygote.py'))} "
-                           f"{shlex.quote(str(sock))} \"$@\"\n")
-        wrapper.chmod(0o755)
-        env = {k: v for k, v in os.environ.items()
-               if k not in _TORCHRUN_VARS + ("PYTHONWARNINGS", "OMP_NUM_THREADS")}
-        (folder / "runs").mkdir()
-        proc = subprocess.Popen([REAL_PYTHON, str(REPO_ROOT / "tests/helpers/zygote.py"),
-                                 str(sock), str(wrapper), str(folder / "runs")],
-                                cwd=REPO_ROOT, env=env,
-                                stdout=subprocess.PIPE, start_new_session=True, text=True)
-        ready = proc.stdout.readline().strip() == "ready"
-        _ZYGOTE.update(proc=proc, folder=folder,
-                       wrapper=str(wrapper) if ready else REAL_PYTHON)
+        ready = _ZYGOTE["proc"].stdout.readline().strip() == "ready"
+        _ZYGOTE["wrapper"] = _ZYGOTE["pending"] if ready else REAL_PYTHON
     return _ZYGOTE["wrapper"]
 
 
