@@ -292,7 +292,12 @@ def python() -> str:
         _start_zygote()
     if "wrapper" not in _ZYGOTE:
         ready = _ZYGOTE["proc"].stdout.readline().strip() == "ready"
-        _ZYGOTE["wrapper"] = _ZYGOTE["pending"] if ready else REAL_PYTHON
+        _ZYGOTE["why_not"] = None if ready else "the server did not start"
+        try:  # a temporary folder mounted noexec, say: then the real one
+            subprocess.run([_ZYGOTE["pending"], "-c", "pass"], check=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            _ZYGOTE["why_not"] = f"{_ZYGOTE['pending']} cannot be run (a noexec folder?)"
+        _ZYGOTE["wrapper"] = REAL_PYTHON if _ZYGOTE["why_not"] else _ZYGOTE["pending"]
     return _ZYGOTE["wrapper"]
 
 
