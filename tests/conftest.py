@@ -250,9 +250,8 @@ def _kill_scripts_then_die(signum, frame):
 
 def pytest_configure(config):
     signal.signal(signal.SIGTERM, _kill_scripts_then_die)
-    if (os.environ.get("AMP_TESTS_ZYGOTE", "1") != "0"
-            and "not slow" not in (config.option.markexpr or "")):
-        _start_zygote()  # its imports overlap the collection's
+    if os.environ.get("AMP_TESTS_ZYGOTE", "1") != "0" and not config.option.markexpr:
+        _start_zygote()  # the whole suite: its imports overlap the collection's
 
 
 # ---------------------------------------------------------------- the tests' python
@@ -284,7 +283,7 @@ def python() -> str:
     """The interpreter the tests start scripts with: a wrapper that runs each as a fork of
     a warm server with torch already imported (tests/helpers/zygote.py, which says what
     that keeps of a fresh process), ~5 s less a process on the test machine. Started with
-    the session when slow tests are selected, else on first use; ``AMP_TESTS_ZYGOTE=0``
+    the session when no -m picks a tier, else on first use; ``AMP_TESTS_ZYGOTE=0``
     gives the plain interpreter. A signal meant for a whole job goes through ``kill_job``."""
     if os.environ.get("AMP_TESTS_ZYGOTE", "1") == "0":
         return REAL_PYTHON

@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -218,17 +217,6 @@ def test_validation_shards_cover_each_sample_once(n):
 
 
 # --------------------------------------------------------------------------- learning
-@contextlib.contextmanager
-def torch_threads(n):
-    # One thread: on a shared 2-core machine a second OpenMP thread mostly waits.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
-
-
 def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
     import train_without
     from alexnet import alexnet
@@ -255,13 +243,12 @@ def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
 def test_fast_path_learns_as_well_as_classic(tmp_path):
     root = write_cifar10(tmp_path, 128, 48, learnable=True, num_classes=4)
     img_size, batch = 64, 16
-    with torch_threads(2):  # the suite runs one test at a time: both cores (12 s, not 16)
-        train_set, val_dl, num_classes = fast_loaders("CIFAR10", root, img_size, batch, info())
-        fast_acc, fast_losses = train_and_evaluate(train_set.loader(), val_dl, num_classes)
-        data = build_datasets("CIFAR10", root, img_size, info())
-        classic_acc, classic_losses = train_and_evaluate(
-            train_loader(data.train, batch, 0, info(), seed=0),
-            eval_loader(data.val, batch, 0, info()), data.num_classes)
+    train_set, val_dl, num_classes = fast_loaders("CIFAR10", root, img_size, batch, info())
+    fast_acc, fast_losses = train_and_evaluate(train_set.loader(), val_dl, num_classes)
+    data = build_datasets("CIFAR10", root, img_size, info())
+    classic_acc, classic_losses = train_and_evaluate(
+        train_loader(data.train, batch, 0, info(), seed=0),
+        eval_loader(data.val, batch, 0, info()), data.num_classes)
     # 4 classes (chance 0.25). Measured: 1.0 on both paths, losses 1.94 -> 0.7.
     assert fast_acc >= 0.7 and classic_acc >= 0.7, (fast_acc, classic_acc)
     assert fast_acc >= classic_acc - 0.25, (fast_acc, classic_acc)

@@ -11,10 +11,10 @@ stdin/stdout/stderr (passed over the socket), environment, working directory, ar
 joins, exit status, death by a signal). The client forwards the signals it gets to the
 child and ends with the child's status; a child whose client dies is killed (SIGKILL).
 
-Not a fresh process in what was decided at import: the environment torch saw when it
-was imported here (conftest starts this server without torchrun's variables or
-PYTHONWARNINGS), and ``OMP_NUM_THREADS``, which the child applies with
-``torch.set_num_threads``. The server runs no torch operation, so no thread pool is
+Not a fresh process in what was decided at start-up and import: the environment torch
+saw when it was imported here (conftest starts this server without torchrun's variables
+or PYTHONWARNINGS), ``sys.path`` beyond its first entry (this server's PYTHONPATH), and
+``OMP_NUM_THREADS``, which the child applies with ``torch.set_num_threads``. The server runs no torch operation, so no thread pool is
 forked. ``AMP_TESTS_ZYGOTE=0`` makes conftest use the plain interpreter instead.
 
 Usage (conftest does this): ``python zygote.py SOCKET_PATH CLIENT_WRAPPER RUNS_FOLDER``.
