@@ -69,7 +69,10 @@ def build(parts: Parts) -> Technique:
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for i, (x, y) in enumerate(window):
-            model.set_requires_gradient_sync(i == len(window) - 1)  # the last reduces
+            last = i == len(window) - 1
+            model.set_requires_gradient_sync(last)  # only the last micro-batch reduce-scatters
+            model.set_reshard_after_backward(last)  # till then the gathered weights stay: no
+            # gather again in the next micro-batch (measured: a quarter faster, docs/results.md)
             loss += forward_backward(x, y, len(y) / n)
         scaler.unscale_(optimizer)  # once a step, before anything reads the gradients
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)

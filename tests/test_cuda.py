@@ -51,17 +51,37 @@ def test_gpu_default_autocast_is_float16():
         assert model(x).dtype == torch.float32
 
 
-@pytest.mark.parametrize("variant,dtype", [("train_without", None),
-                                           ("train_autocast", "float16"),
-                                           ("train_GradScaler", "float16"),
-                                           ("train_autocast", "bfloat16")])
-def test_training_steps_never_sync_the_host(variant, dtype):
+@pytest.fixture
+def nccl_of_one():
+    """A one-process NCCL group on the current GPU, in-process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("variant,dtype,vote", [("train_without", None, False),
+                                                ("train_autocast", "float16", False),
+                                                ("train_GradScaler", "float16", False),
+                                                ("train_autocast", "bfloat16", False),
+                                                ("train_GradScaler", "float16", True)])
+def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
     """The engine's hot loop with the training script's own step (fused AdamW, GradScaler,
     channels_last) under CUDA's sync debug mode "error": any per-step host sync (an
-    .item(), a blocking copy, GradScaler reading its inf flag) raises."""
-    from ampkit.distributed import DistInfo
+    .item(), a blocking copy, GradScaler reading its inf flag) raises. ``vote``: in an
+    NCCL group, with the ranks' stop vote after every step (on its gloo group, a CPU
+    tensor: reading it must not wait for the GPU)."""
+    from ampkit.distributed import DistInfo, StopVote
     from ampkit.engine import train_one_epoch
+    from ampkit.machinery.signals import StopFlag
     from ampkit.precision import SkippedSteps
+
+    if vote:
+        request.getfixturevalue("nccl_of_one")
 
     if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bfloat16")
@@ -84,8 +104,11 @@ def test_training_steps_never_sync_the_host(variant, dtype):
         torch.cuda.set_sync_debug_mode("default")  # before the epoch-end reduction
 
     try:
-        stats = train_one_epoch(v.step, stream(), DistInfo(device=dev), log_every=1000,
-                                skipped=SkippedSteps(v.scaler, dev), input_format=cl)
+        info = DistInfo.of(dev)
+        assert info.distributed == vote
+        stats = train_one_epoch(v.step, stream(), info, log_every=1000,
+                                skipped=SkippedSteps(v.scaler, dev), input_format=cl,
+                                stop=StopVote(StopFlag(), info) if vote else None)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert checked == [2, 3, 4, 5, 6, 7]
@@ -96,9 +119,11 @@ def test_training_steps_never_sync_the_host(variant, dtype):
 def test_dataparallel_replicas_keep_the_amp_dtype(dp_scope):
     """Replicas run in worker threads that get autocast's enabled flag but not its dtype
     (float16 by default on CUDA): bf16 must still be bf16 there, with either --dp_scope.
-    Run as a replica thread runs it, which fails on one GPU too when the re-entry is gone;
-    with several GPUs, also through DataParallel itself on every one of them."""
-    from conftest import as_a_dataparallel_replica
+    Through DataParallel's own parallel_apply with two replicas on GPU 0, whose threads
+    fail on one GPU too when the re-entry is gone (DataParallel itself calls a lone
+    replica in the caller's thread); with several GPUs, also through DataParallel itself
+    on every one of them."""
+    from torch.nn.parallel import parallel_apply
 
     if not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bfloat16: nothing tells it from float16 here")
@@ -115,9 +140,12 @@ def test_dataparallel_replicas_keep_the_amp_dtype(dp_scope):
     wrapper = dp if dp_scope == "model" else dp.features
     assert wrapper.device_ids == list(range(n))
     x = torch.randn(2 * n, 3, 64, 64, device="cuda")
-    default, _ = as_a_dataparallel_replica(wrapper.module, x, dtype, "cuda")
-    assert default == torch.float16  # control: the thread's own default dtype
-    assert seen == [(x.device, dtype)], seen
+    control = nn.Conv2d(3, 2, 3).cuda()  # a module without the re-entry, beside them
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        outs = parallel_apply([wrapper.module, wrapper.module, control], [(x,), (x,), (x,)],
+                              devices=[0, 0, 0])
+    assert outs[2].dtype == torch.float16  # the threads' own default: the test can tell
+    assert seen == [(x.device, dtype)] * 2, seen
     if n > 1:
         seen.clear()
         with torch.no_grad(), torch.autocast("cuda", dtype=dtype):

@@ -207,7 +207,7 @@ def test_sigterm_ddp_two_processes_saves_and_resumes(imagefolder_root, tmp_path)
 
     ckpt = tmp_path / "ckpt"
     run_dir = ckpt / "train_DDP"
-    flags = _tiny(imagefolder_root, ckpt, "--epochs", "3", "--batch_size", "4", "--log_every", "1")
+    flags = _tiny(imagefolder_root, ckpt, "--epochs", "3", "--batch_size", "4")  # 6 steps an epoch
     cmd = _torchrun("--nproc_per_node=2", f"--master_port={_free_port()}",
                     str(REPO / "AMP" / "train_DDP.py"), *flags)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -275,6 +275,25 @@ def test_two_nodes_on_localhost_train_to_the_end(imagefolder_root, tmp_path):
     assert sorted(p.name for p in (ckpt / "train_DDP").iterdir()) == [".lock", "best.pth",
                                                                       "last.pth", "log.jsonl"]
     assert len(list((tb / "train_DDP").iterdir())) == 1, "one TensorBoard run, from rank 0"
+
+    # Resumed where node 1's --checkpoint is a folder of its own, without the file: one line
+    # from rank 0 names rank 1, its host and path; no rank starts afresh or waits.
+    other = tmp_path / "node1_ckpt"
+    port = _free_port()
+    procs = [subprocess.Popen(
+        _torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={node_rank}",
+                  "--master_addr=127.0.0.1", f"--master_port={port}",
+                  str(REPO / "AMP" / "train_DDP.py"),
+                  *_tiny(imagefolder_root, folder, "--epochs", "2", "--resume")),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node_rank, folder in ((0, ckpt), (1, other))]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], outs
+    lines = [ln for ln in clean_output(outs[0][1]).splitlines() if "error:" in ln]
+    assert len(lines) == 1, outs[0][1][-3000:]
+    assert f"rank 1 on {socket.gethostname()}" in lines[0], lines
+    assert str(other / "train_DDP" / "last.pth") in lines[0] and "must be shared" in lines[0]
+    assert _load(ckpt / "train_DDP" / "last.pth")["epoch"] == 1  # nothing trained on
 
 
 # --- safe loading -----------------------------------------------------------------------------

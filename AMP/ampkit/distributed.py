@@ -21,14 +21,17 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import socket
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .machinery.errors import UserError
+from .machinery.signals import StopFlag
 
 # How long a collective may wait for a peer (a slow rank 0 writing a checkpoint, say).
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -98,6 +101,83 @@ class DistInfo:
             yield
         finally:
             self.barrier()
+
+
+class StopVote:
+    """Whether to stop: the same answer on every rank, at the same step, and no wait for
+    the device.
+
+    A signal reaches each process at its own moment, or only some of them (one node's
+    scheduler, Ctrl-C in one terminal); a rank that stopped alone would leave its peers
+    waiting in their next collective. So after every optimizer step each rank puts its
+    :class:`StopFlag`'s signal (0: none) into an all-reduce (MAX) that runs in the
+    background, and reads the previous step's, which has long arrived: a stop asked for
+    during step k ends step k + 1 on every rank, and every rank exits with the same status.
+    The vote travels on a gloo group of its own, as a CPU tensor, so reading it never waits
+    for the GPU (a read of a CUDA tensor would sync the host every step). In one process:
+    the flag itself, after the current step.
+    """
+
+    def __init__(self, flag: StopFlag, info: "DistInfo") -> None:
+        self.flag = flag
+        # Every rank creates the group (a collective), at the same point of the run.
+        self.group = dist.new_group(backend="gloo") if info.distributed else None
+        self._pending: Optional[Tuple[dist.Work, torch.Tensor]] = None
+
+    def _cast(self) -> None:
+        mine = torch.tensor([self.flag.signum], dtype=torch.int32)
+        work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = work, mine
+
+    def _count(self) -> bool:
+        """The pending vote's result (False if none), waited for; a stop that another rank
+        asked for becomes this rank's too."""
+        if self._pending is None:
+            return False
+        work, votes = self._pending
+        self._pending = None
+        work.wait()  # it arrived during the step since it was cast: no wait in practice
+        signum = int(votes.item())
+        if signum and not self.flag.requested:
+            self.flag.request(signal.Signals(signum).name, own=False)
+        return bool(signum)
+
+    def after_step(self) -> bool:
+        """After each optimizer step: True when every rank stops now."""
+        if self.group is None:
+            return self.flag.requested
+        stop = self._count()
+        self._cast()
+        return stop
+
+    def now(self) -> bool:
+        """At an epoch's end (blocking, once): whether any rank asked to stop by now; also
+        takes the pending vote, so none is left in flight."""
+        if self.group is None:
+            return self.flag.requested
+        stop = self._count()
+        self._cast()
+        return self._count() or stop
+
+
+def derived_seed(seed: int, *parts: int) -> int:
+    """A 63-bit seed mixing ``seed`` with ``parts`` (a rank, an epoch, a device): distinct,
+    reproducible streams for each."""
+    state = np.random.SeedSequence([seed % 2**64, *parts]).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+def seed_streams(seed: int, rank: int, cuda: bool) -> None:
+    """After the model is built from ``seed`` (the same weights on every rank, for any world
+    size): this rank's own random streams, for dropout and the classic path's flips. With
+    ``cuda``, each visible GPU gets a stream of its own too: ``torch.manual_seed`` gives
+    every GPU the same one, so DataParallel's replicas would draw the same dropout masks on
+    their chunks of the batch."""
+    torch.manual_seed(derived_seed(seed, 1, rank))
+    if cuda:
+        torch.cuda.init()  # the generators exist once CUDA is initialised (no context yet)
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.default_generators[index].manual_seed(derived_seed(seed, 2, rank, index))
 
 
 def synchronize(device: torch.device) -> None:

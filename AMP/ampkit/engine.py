@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .distributed import DistInfo, synchronize
+from .distributed import DistInfo, StopVote, synchronize
 from .machinery.errors import UserError
 from .precision import SkippedSteps, resolve_amp_dtype
 
@@ -77,18 +77,6 @@ class Technique:
 
 class TrainingDiverged(UserError):
     """The loss stayed non-finite for several consecutive steps without a GradScaler."""
-
-
-class StopFlag:
-    """Set by a signal handler; the loop finishes the current step, then stops."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signal_name = ""
-
-    def request(self, name: str) -> None:
-        self.requested = True
-        self.signal_name = name
 
 
 @dataclass
@@ -171,14 +159,16 @@ def windows(loader: Iterable, accum_steps: int, device: torch.device,
 
 def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: str = "train",
                     start_step: int = 0, log_every: int = 20, max_nonfinite: Optional[int] = 5,
-                    stop: Optional[StopFlag] = None, skipped: Optional[SkippedSteps] = None,
+                    stop: Optional[StopVote] = None, skipped: Optional[SkippedSteps] = None,
                     input_format: torch.memory_format = torch.preserve_format,
                     profiler=None, accum_steps: int = 1) -> EpochStats:
     """Run ``step_fn`` on every window of ``accum_steps`` batches of ``loader``: one optimizer
     step each. ``start_step``, ``log_every`` and the progress bar count optimizer steps.
-    ``max_nonfinite=None``: no divergence check (a GradScaler skips the bad steps instead);
-    ``skipped`` counts those skips, this call's own; ``profiler`` (a
-    ``machinery.profiler.StepProfiler``) records some steps."""
+    ``stop``: the ranks' vote, taken after every step (no host sync); when it says so, the
+    epoch ends there on every rank (``EpochStats.stopped_at``). ``max_nonfinite=None``: no
+    divergence check (a GradScaler skips the bad steps instead); ``skipped`` counts those
+    skips, this call's own; ``profiler`` (a ``machinery.profiler.StepProfiler``) records
+    some steps."""
     device = info.device
     tally, skipped = Tally(device), skipped or SkippedSteps(None, device)
     skipped.count.zero_()  # this call's skips; the scaler's last scale carries over
@@ -200,11 +190,13 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
             bar.update(1)
             if profiler is not None:
                 profiler.step()
-            local_stop = stop is not None and stop.requested
-            if step % log_every == 0 or (local_stop and not info.distributed):
-                if _host_check(tally, bar, info, local_stop, max_nonfinite, step):
-                    stopped_at = step
-                    break
+            if stop is not None and stop.after_step():  # every rank, at this same step
+                stopped_at = step
+                break
+            if step % log_every == 0:
+                _host_check(tally, bar, info, max_nonfinite, step)
+    if stop is not None and stop.now() and stopped_at is None:  # asked during the last step
+        stopped_at = step
     return _epoch_stats(tally, skipped, info, max_nonfinite, step, t0,
                         dict(steps=steps_done, stopped_at=stopped_at, data_seconds=data_seconds))
 
@@ -229,37 +221,56 @@ def _epoch_stats(tally: Tally, skipped: SkippedSteps, info: DistInfo,
                       if norms[1] else nan, grad_norm_max=norms[2] if norms[1] else nan, **kw)
 
 
-def _host_check(tally: Tally, bar: tqdm, info: DistInfo, local_stop: bool,
-                max_nonfinite: Optional[int], step: int) -> bool:
+def _host_check(tally: Tally, bar: tqdm, info: DistInfo, max_nonfinite: Optional[int],
+                step: int) -> None:
     """The host sync point, every log_every steps (never every step): the progress bar's
-    loss, the divergence check, and whether to stop. Under DDP all ranks reach it at the
-    same step, so they agree on stopping together. True: stop now."""
-    device = info.device
-    flags = torch.stack([tally.worst_run, torch.tensor(int(local_stop), device=device)])
-    worst, stop_all = info.all_reduce_max(flags).tolist()
+    loss and the divergence check, which all ranks reach at the same step and pass or fail
+    together."""
+    worst = int(info.all_reduce_max(tally.worst_run.clone()).item())
     if info.is_main:
         mean = tally.loss_sum / tally.finite_images.clamp(min=1)
         bar.set_postfix(loss=f"{mean.item():.4f}")
     if max_nonfinite is not None and worst >= max_nonfinite:
         raise _diverged(worst, step)
-    return bool(stop_all)
 
 
 @torch.no_grad()
 def count_correct(model: nn.Module, loader: Iterable, info: DistInfo,
                   autocast: Optional[ContextManager] = None, desc: str = "eval",
-                  input_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
+                  input_format: torch.memory_format = torch.preserve_format,
+                  image_shape: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
     """``tensor([correct, seen])`` (int64, on the device) over this process's batches:
-    top-1 predictions that match the target. Summing them over ranks is the caller's."""
+    top-1 predictions that match the target. Summing them over ranks is the caller's.
+
+    In a process group every rank runs as many forwards as the rank with the most batches:
+    a sharded (FSDP2) or DDP model's forward is a collective, and a rank with one batch
+    fewer -- 21 images over 2 ranks, or none at all -- would leave its peers waiting.
+    A rank whose shard has run out forwards its last batch again (or, with none, one
+    blank image of ``image_shape``), and counts nothing of it."""
     device = info.device
     model.eval()
     counts = torch.zeros(2, dtype=torch.int64, device=device)
-    for images, targets in tqdm(loader, desc=desc, disable=not info.is_main, leave=False,
-                                dynamic_ncols=True):
-        images = images.to(device, non_blocking=True, memory_format=input_format)
-        targets = targets.to(device, non_blocking=True)
+    forwards = len(loader)
+    if info.distributed:  # one host read per validation
+        forwards = int(info.all_reduce_max(torch.tensor(forwards, device=device)).item())
+    batches, padding = iter(loader), None
+    for _ in tqdm(range(forwards), desc=desc, disable=not info.is_main, leave=False,
+                  dynamic_ncols=True):
+        batch = next(batches, None)  # None: this rank's shard has run out
+        if batch is None and not info.distributed:
+            break
+        if batch is None and padding is None:
+            padding = torch.zeros((1, *image_shape), device=device).contiguous(
+                memory_format=input_format)
+        images = padding if batch is None else batch[0].to(device, non_blocking=True,
+                                                            memory_format=input_format)
         with autocast or contextlib.nullcontext():
             outputs = model(images)
+        if batch is None:
+            continue  # a forward for the peers' collectives, not counted
+        targets = batch[1].to(device, non_blocking=True)
         counts[0] += (outputs.argmax(dim=1) == targets).sum()
         counts[1] += targets.shape[0]
+        padding = images
+    next(batches, None)  # to its end: a loader's bookkeeping after its last batch
     return counts

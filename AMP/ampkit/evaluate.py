@@ -96,7 +96,8 @@ class Evaluation:
         """``tensor([correct, seen])`` on the device, over the test images ``indices``."""
         self.loader.sampler.indices = indices
         return count_correct(model, self.loader, self.info, self.autocast, desc=self.name,
-                             input_format=self.input_format)
+                             input_format=self.input_format,
+                             image_shape=(3, self.img_size, self.img_size))
 
     def report(self, correct: int, total: int) -> float:
         """Print the result line (global rank 0); the accuracy. Then all ranks wait for each

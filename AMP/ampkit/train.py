@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.utils.data import Sampler
 
-from .distributed import DistInfo, single_process_device
-from .engine import EpochStats, Parts, StopFlag, Technique, count_correct, train_one_epoch
+from .distributed import DistInfo, StopVote, seed_streams, single_process_device
+from .engine import EpochStats, Parts, Technique, count_correct, train_one_epoch
 from .machinery import checkpoint as ckpt_io
 from .machinery.data import build_loaders, report_skipped
 from .machinery.errors import Interrupted
@@ -42,9 +42,10 @@ from .machinery.datasets import one_process_sampler
 from .machinery.log import RunLogger, header_line, summary_line
 from .machinery.memory import memory_kind, peak_memory_mb, reset_peak_memory
 from .machinery.profiler import StepProfiler
-from .machinery.resume import Resumed, load_resume, load_states, resume_path, where_it_starts
+from .machinery.resume import (Resumed, agreed_resume_path, load_resume, load_states,
+                               where_it_starts)
 from .machinery.saving import SavePolicy, checkpoint_state
-from .machinery.signals import StopSignals, exit_status
+from .machinery.signals import StopFlag, StopSignals, exit_status, stopped_line
 from .models import build_model, check_dp_scope
 from .precision import SkippedSteps, compile_in_place, set_tf32, slow_bf16
 
@@ -62,7 +63,6 @@ class Run:
 
     def _set_up(self) -> None:
         args, info, device = self.args, self.info, self.info.device
-        torch.manual_seed(args.seed + info.rank)
         self.fp32_math = ""
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input size: let cuDNN pick its kernels
@@ -75,13 +75,16 @@ class Run:
                 tb_dir = (ckpt_io.prepare_run_dir(args.tensorboard_log / args.variant)
                           / time.strftime("%Y%m%d-%H%M%S"))
         self.tb_dir = tb_dir
-        path = resume_path(args, self.run_dir)
+        path = agreed_resume_path(args, self.run_dir, info)
         self.data = build_loaders(args.dataset, args.dataset_root, args.img_size,
                                   args.batch_size, info, loader=args.loader,
                                   num_workers=args.num_workers, channels_last=args.channels_last,
                                   skip_bad=args.skip_bad_images)
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
+        self.image_shape = (3, args.img_size, args.img_size)
+        torch.manual_seed(args.seed)  # the same initial model on every rank, any world size
         model = build_model(args.arch, self.data.num_classes, pretrained=args.pretrained)
+        seed_streams(args.seed, info.rank, device.type == "cuda")  # dropout: each its own
         check_dp_scope(model, args.dp_scope, args.arch)
         model = model.to(device, memory_format=self.input_format)
         self.parts = Parts(device, model, nn.CrossEntropyLoss(), args.amp_dtype, args.dp_scope,
@@ -161,6 +164,7 @@ class Trainer:
             compile_in_place(t.model)
         self.logger.print(where_it_starts(self.run.resumed, args, changed))
         self.skipped = SkippedSteps(t.scaler, parts.device)
+        self.vote = StopVote(self.stop, info)  # every rank's stop, agreed after each step
         self.signals.install()
         self.logger.print(header_line(args, info, t, self.run.data, self.run.fp32_math))
         return t
@@ -189,7 +193,7 @@ class Trainer:
                                  info.device) if args.profile and epoch == self.epoch else None)
         stats = train_one_epoch(t.step, self.loader, info, desc=f"epoch {epoch + 1}/{args.epochs}",
                                 start_step=step0, log_every=args.log_every,
-                                max_nonfinite=None if t.scaler else 5, stop=self.stop,
+                                max_nonfinite=None if t.scaler else 5, stop=self.vote,
                                 skipped=self.skipped, input_format=self.run.input_format,
                                 profiler=profiler, accum_steps=args.accum_steps)
         self.train_seconds += stats.seconds
@@ -207,17 +211,19 @@ class Trainer:
         """Validate, step the LR schedule, save, and log the epoch."""
         info, device = self.info, self.info.device
         # Every rank counts its shard; the all_reduce sums them: exact for any world size.
-        counts = info.all_reduce_sum(count_correct(t.model, self.run.data.val, info, t.autocast,
-                                                   desc="val",
-                                                   input_format=self.run.input_format))
+        counts = info.all_reduce_sum(count_correct(
+            t.model, self.run.data.val, info, t.autocast, desc="val",
+            input_format=self.run.input_format, image_shape=self.run.image_shape))
         correct, total = counts.tolist()
         val_acc = correct / total
         self.scheduler.step(val_acc)  # on the validation metric (mode="max")
         epoch_seconds = time.perf_counter() - t_epoch  # training and validation
         if val_acc > self.best_acc:
             self.best_acc, self.best_epoch = val_acc, epoch + 1
+        stop = self.vote.now() and epoch + 1 < self.args.epochs  # a signal in validation
         save = self.saver.save(partial(self._state, t, epoch + 1, 0, val_acc), epoch + 1,
-                               is_best=self.best_epoch == epoch + 1)
+                               is_best=self.best_epoch == epoch + 1, now=stop)
+        self.stopped_at = (epoch + 1, 0) if stop else None
         skipped = report_skipped(self.logger, info, self.loader, self.run.data.val) \
             if self.args.skip_bad_images else 0
         scale = t.scaler.get_scale() if t.scaler is not None else None
@@ -245,10 +251,8 @@ class Trainer:
     def _finish(self) -> int:
         """The run's last line; the exit status (a stop: 128 + its signal)."""
         if self.stopped_at is not None:
-            epoch, step = self.stopped_at
-            self.logger.print(f"stopped by {self.stop.signal_name} at epoch {epoch + 1}, step "
-                              f"{step}; saved {self.run.run_dir / ckpt_io.LAST}. Continue with "
-                              "--resume")
+            self.logger.print(stopped_line(self.stop, *self.stopped_at,
+                                           self.run.run_dir / ckpt_io.LAST))
             return exit_status(self.stop.signal_name)
         if self.epoch >= self.args.epochs:  # nothing was trained
             return 0

@@ -10,8 +10,9 @@ Environment:
                          (saying on stderr which thread was writing it).
   FAULT_SLOW_SAVE=N      the N-th checkpoint file is written slowly (a slow disk): half of it,
                          then FAULT_MARKER is created, and the write goes on 60 s later.
-  FAULT_SIGTERM_AT_LOSS=N  this process sends itself SIGTERM as it computes its N-th
-                         training loss (one per micro-batch): a stop in the middle of a step.
+  FAULT_SIGTERM_AT_LOSS=N  this process sends itself SIGTERM (FAULT_SIGNAL=SIGINT: Ctrl-C)
+                         as it computes its N-th training loss (one per micro-batch): a stop
+                         in the middle of a step; with FAULT_RANK, on that rank only.
 """
 import importlib
 import os
@@ -46,14 +47,16 @@ if exit_at and int(os.environ.get("RANK", "0")) == int(os.environ.get("FAULT_RAN
 
     torch.optim.AdamW.step = step
 
-if sigterm_at_loss:
+if sigterm_at_loss and os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK",
+                                                                   os.environ.get("RANK", "0")):
+    stop_signal = getattr(signal, os.environ.get("FAULT_SIGNAL", "SIGTERM"))
     original_loss = torch.nn.CrossEntropyLoss.forward
 
     def loss_forward(self, *args, **kwargs):
         global losses
         losses += 1
         if losses == sigterm_at_loss:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), stop_signal)
         return original_loss(self, *args, **kwargs)
 
     torch.nn.CrossEntropyLoss.forward = loss_forward

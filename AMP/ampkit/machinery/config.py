@@ -68,9 +68,10 @@ def _add_common(p: argparse.ArgumentParser, *, process_group: bool, for_eval: bo
     p.add_argument("--channels_last", action=argparse.BooleanOptionalAction, default=False,
                    help="use the channels_last memory format for the model and its inputs")
     p.add_argument("--skip_bad_images", action="store_true",
-                   help="leave out images that cannot be read (corrupt, truncated, no "
+                   help="go on past images that cannot be read (corrupt, truncated, no "
                         "permission) and list them after each epoch, instead of stopping at "
-                        "the first with an error naming it")
+                        "the first with an error naming it: validation leaves them out, "
+                        "training takes the next readable image in their place")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA fp32 math: --tf32 runs fp32 convolutions and matmuls in TF32 "
                         "(Ampere and newer), --no-tf32 in full fp32. Default: PyTorch's, TF32 "

@@ -11,7 +11,8 @@ replaceable ``indices`` for validation (:class:`IndexSampler`, this rank's shard
 The classic path is torchvision's: a DataLoader with PIL transforms in ``--num_workers``
 worker processes, pinned memory and non-blocking copies on CUDA. An image that cannot be
 read stops the run with a one-line error naming it, or, with ``--skip_bad_images``, is
-left out and listed (:class:`CheckedLoader`).
+listed (:class:`CheckedLoader`) and left out of validation; in training the next readable
+image takes its place, so that every rank runs as many full batches as its peers.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .datasets import (BadImage, IndexSampler, ResumableSampler, Unreadable, build_datasets,
-                       collate_readable, one_process_sampler)
+                       Substituted, collate_readable, collate_substituted,
+                       one_process_sampler)
 from ..distributed import DistInfo
 from .errors import UserError
 from .fastdata import fast_loaders, fits_in_memory
@@ -60,19 +62,21 @@ class CheckedLoader:
 
 
 def _loader(dataset: Dataset, batch_size: int, sampler: Sampler, num_workers: int,
-            device: torch.device, skip_bad: bool) -> CheckedLoader:
+            device: torch.device, skip_bad: bool, collate=collate_readable) -> CheckedLoader:
     return CheckedLoader(DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
         pin_memory=device.type == "cuda", persistent_workers=num_workers > 0, drop_last=False,
-        collate_fn=collate_readable), skip_bad)
+        collate_fn=collate), skip_bad)
 
 
 def train_loader(dataset: Dataset, batch_size: int, num_workers: int, info: DistInfo,
                  sampler: Optional[Sampler[int]] = None, seed: int = 0,
                  skip_bad: bool = False) -> CheckedLoader:
-    """Batches in ``sampler``'s order (None: one process's, seeded by ``seed``)."""
+    """Batches in ``sampler``'s order (None: one process's, seeded by ``seed``), always full:
+    an unreadable image is replaced by the next readable one (:class:`Substituted`)."""
     sampler = ResumableSampler(sampler or one_process_sampler(len(dataset), seed))
-    return _loader(dataset, batch_size, sampler, num_workers, info.device, skip_bad)
+    return _loader(Substituted(dataset), batch_size, sampler, num_workers, info.device,
+                   skip_bad, collate_substituted)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, info: DistInfo,

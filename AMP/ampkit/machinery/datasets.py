@@ -241,6 +241,37 @@ def collate_readable(batch: list) -> Tuple[Optional[object], Optional[object], L
     return images, targets, bad
 
 
+class Substituted(Dataset):
+    """A training split whose unreadable image is replaced by the next readable one: each
+    sample is ``(image, target, [the Unreadable ones passed over])``.
+
+    A batch then never shrinks, and no rank runs fewer steps than its peers: under DDP or
+    FSDP2 a rank whose batch was left empty would skip a step, and the others would wait
+    for it in that step's collectives. The images passed over are listed like the ones
+    left out of validation."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        passed = []
+        for offset in range(len(self.dataset)):
+            image, target = self.dataset[(index + offset) % len(self.dataset)]
+            if not isinstance(image, Unreadable):
+                return image, target, passed
+            passed.append(image)
+        raise UserError(f"no image of the training split can be read (the first: {passed[0]})")
+
+
+def collate_substituted(batch: list) -> Tuple[object, object, List[Unreadable]]:
+    """``(images, targets, the unreadable images passed over)`` of :class:`Substituted`."""
+    images, targets = default_collate([(x, y) for x, y, _ in batch])
+    return images, targets, [bad for _, _, passed in batch for bad in passed]
+
+
 def _image_folder(root: Path, split: str, transform) -> ImageFolder:
     folder = root / split
     if not folder.is_dir():

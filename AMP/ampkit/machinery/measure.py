@@ -54,12 +54,13 @@ from torch import nn
 
 import torch.distributed as dist
 
-from ..distributed import DistInfo, elastic_store, synchronize, torchrun_env
+from ..distributed import DistInfo, StopVote, elastic_store, synchronize, torchrun_env
 from ..engine import Parts, train_one_epoch
 from ..models import build_model
 from ..precision import SkippedSteps, compile_in_place
 from .memory import memory_kind, peak_memory_mb, reset_peak_memory
 from .profiler import StepProfiler
+from .signals import StopFlag
 from .variants import DISTRIBUTED, TRAIN_VARIANTS
 
 KINDS = ("article", "classic", "fast")
@@ -195,12 +196,13 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     t, pool, flops = _built(variant, res, device, num_classes, lr, amp_dtype)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     skipped = SkippedSteps(t.scaler, device)
+    vote = StopVote(StopFlag(), info)  # as in training: the ranks' stop vote every step
 
     def run(n: int, **kw):  # n optimizer steps, over the pool's batches in turn
         micro = [pool[i % len(pool)] for i in range(n * accum_steps)]
         with _all_reduce_every_micro_batch() if keep_sync else contextlib.nullcontext():
             return train_one_epoch(t.step, micro, info, skipped=skipped, input_format=fmt,
-                                   accum_steps=accum_steps, **kw)
+                                   accum_steps=accum_steps, stop=vote, **kw)
 
     if warmup > 0:
         run(warmup, desc=f"{variant} warm-up")

@@ -10,9 +10,10 @@ GradScaler's states wait until the script's ``build()`` has made those objects.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -35,6 +36,51 @@ def resume_path(args, run_dir: Path) -> Optional[Path]:
     if restarted and (run_dir / ckpt_io.LAST).is_file():
         return run_dir / ckpt_io.LAST
     return None
+
+
+def agreed_resume_path(args, run_dir: Path, info) -> Optional[Path]:
+    """:func:`resume_path`, decided by global rank 0 and checked by every rank: each loads
+    the file at its own path (its own ``--checkpoint``), which must be the one rank 0
+    resumes -- the same size and modification time. Rank 0 alone writes the checkpoints, so
+    on several nodes the folder must be shared (or copied): a node that sees no checkpoint,
+    or another one, would start afresh or fail while its peers wait. Instead every rank
+    stops with one line naming the first such rank, its host and its path. ``info``: the
+    process's ``DistInfo``."""
+    try:
+        mine, error = resume_path(args, run_dir), None
+    except UserError as e:
+        mine, error = None, str(e)
+    if not info.distributed:
+        if error is not None:
+            raise UserError(error)
+        return mine
+    looked = str(mine or (Path(args.resume) if args.resume not in (None, "auto")
+                          else run_dir / ckpt_io.LAST))
+    seen = info.gather([(socket.gethostname(), looked, mine is not None, error,
+                         _identity(mine))])
+    host0, path0, found0, error0, identity0 = seen[0]
+    if error0 is not None:
+        raise UserError(error0)  # every rank stops; rank 0 says why
+    if not found0:
+        return None  # a new run on every rank
+    for rank, (host, path, found, error, identity) in enumerate(seen):
+        if identity != identity0:
+            found = (f"cannot use it ({error})" if error is not None
+                     else f"finds none at {path}" if not found
+                     else f"finds another file at {path}")
+            raise UserError(f"rank 0 on {host0} resumes {path0}, but rank {rank} on {host} "
+                            f"{found}: the checkpoint folder must be shared by every node "
+                            "(--checkpoint on a shared file system), or the same file copied "
+                            "to each")
+    return mine
+
+
+def _identity(path: Optional[Path]) -> Optional[Tuple[int, int]]:
+    """What tells two copies of a checkpoint apart without reading them: size and mtime."""
+    if path is None:
+        return None
+    status = path.stat()
+    return status.st_size, status.st_mtime_ns
 
 
 def resume_mismatches(state: dict, args, world_size: int) -> List[str]:

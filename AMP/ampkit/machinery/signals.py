@@ -1,16 +1,17 @@
 """SIGTERM and Ctrl-C during training: finish the current step, save, exit 128 + signal.
 
-While a run trains, both signals only set its :class:`ampkit.engine.StopFlag`; the loop
-stops at its next check and the trainer saves ``last.pth`` before it exits (SIGTERM: 143,
-Ctrl-C: 130). A second Ctrl-C stops at once (:class:`KeyboardInterrupt`). Outside the
-run the previous handlers are back, so a script called in-process leaves none behind.
+While a run trains, both signals only set its :class:`StopFlag`; the ranks agree to stop
+after the next optimizer step (``ampkit.distributed.StopVote``), or at the epoch's end
+when the signal came during validation or a save, and the run saves ``last.pth`` before it
+exits (SIGTERM: 143, Ctrl-C: 130). A second Ctrl-C stops at once
+(:class:`KeyboardInterrupt`). Outside the run the previous handlers are back, so a script
+called in-process leaves none behind.
 """
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import Callable, Dict
-
-from ..engine import StopFlag
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -18,6 +19,32 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 def exit_status(signal_name: str) -> int:
     """The shell's status for a process stopped by ``signal_name`` (SIGTERM -> 143)."""
     return 128 + int(getattr(signal, signal_name or "SIGTERM"))
+
+
+def stopped_line(stop: "StopFlag", epoch: int, step: int, saved: Path) -> str:
+    """The last line of a stopped run, which stopped ``step`` steps into epoch ``epoch`` (0:
+    after ``epoch`` epochs)."""
+    where = f"at epoch {epoch + 1}, step {step}" if step else f"after epoch {epoch}"
+    by = stop.signal_name + ("" if stop.own else " (sent to another rank)")
+    return f"stopped by {by} {where}; saved {saved}. Continue with --resume"
+
+
+class StopFlag:
+    """This process's wish to stop, set by a signal handler (plain attributes: the handler
+    runs between two bytecodes of the main thread), or by the ranks' vote."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name = ""
+        self.own = True  # the signal came to this process
+
+    @property
+    def signum(self) -> int:
+        """The signal's number, 0 for none: what this rank puts into the vote."""
+        return int(getattr(signal, self.signal_name)) if self.requested else 0
+
+    def request(self, name: str, own: bool = True) -> None:
+        self.requested, self.signal_name, self.own = True, name, own
 
 
 class StopSignals:
@@ -29,10 +56,11 @@ class StopSignals:
 
     def _handler(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.stop.requested and signum == signal.SIGINT:
+        if self.stop.requested and self.stop.own and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.stop.request(name)
-        self.say(f"\n{name} received: stopping after the current step")
+        self.say(f"\n{name} received: stopping after this optimizer step (several processes: "
+                 "all of them, after the next), then saving")
 
     def install(self) -> None:
         for sig in SIGNALS:

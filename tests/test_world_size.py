@@ -1,0 +1,241 @@
+"""Right at any world size: the ranks stop together within a step, uneven shards never
+leave a rank waiting, every rank starts from the seed's weights, and rank 0 decides what
+is resumed. Under torchrun at 3 and 4 gloo processes, on sizes that do not divide."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (FAST_ARCH, FSDP_ARCH, REPO_ROOT, clean_output, kill_job, parse_accuracy,
+                      python)
+
+HELPER = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
+
+
+def _flags(root: Path, ckpt: Path, *extra: str, arch: str = FAST_ARCH) -> list:
+    return ["--dataset", "ImageFolder", "--dataset_root", str(root), "--img_size", "64",
+            "--checkpoint", str(ckpt), "--no-tensorboard", "--no-cuda", "--arch", arch,
+            *[str(e) for e in extra]]
+
+
+def _torchrun(nproc: int, script: Path, *args: str, env: dict | None = None,
+              timeout: float = 240) -> subprocess.CompletedProcess:
+    """torchrun with ``nproc`` workers; past ``timeout`` (a rank waiting on a collective
+    that its peers skipped) the whole job is killed and the test fails."""
+    cmd = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"no end after {timeout} s (a hang?): {' '.join(cmd)}\n"
+                    f"{clean_output(out)[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _exit_codes(stderr: str) -> dict:
+    """Each failed rank's exit status, from torchrun's failure report."""
+    return {int(rank): int(code) for rank, code in
+            re.findall(r"rank\s+: (\d+) \(local_rank.*\n\s+exitcode\s+: (-?\d+)", stderr)}
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _parameters(state: dict, names) -> dict:
+    return {k: v for k, v in state.items() if k in names}
+
+
+def _seeds_model(arch: str, num_classes: int, seed: int = 0) -> dict:
+    """The parameters a one-process run of ``seed`` starts from."""
+    from ampkit.models import build_model
+
+    torch.manual_seed(seed)
+    model = build_model(arch, num_classes)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------ stopping together
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,rank,signal_name,stop", [
+    # 48 images / (3 ranks x 2) = 8 micro-batches, --accum_steps 2: 4 steps an epoch, fewer
+    # than --log_every's 20. Rank 2's 11th loss is epoch 2's 3rd micro-batch, in step 2: the
+    # vote cast after step 2 is read after step 3, where every rank stops.
+    (3, 2, "SIGTERM", "at epoch 2, step 3"),
+    # 4 ranks: 3 steps an epoch; rank 1's signal comes in step 3, the epoch's last: every
+    # rank stops there, before validation.
+    (4, 1, "SIGINT", "at epoch 2, step 3"),
+])
+def test_a_signal_to_one_rank_stops_every_rank_a_step_later(nproc, rank, signal_name, stop,
+                                                             imagefolder_root, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = _flags(imagefolder_root, ckpt, "--batch_size", "2", "--accum_steps", "2",
+                   "--epochs", "4")
+    res = _torchrun(nproc, HELPER, "train_DDP", *flags,
+                    env={"FAULT_SIGTERM_AT_LOSS": "11", "FAULT_RANK": str(rank),
+                         "FAULT_SIGNAL": signal_name})
+    out = clean_output(res.stdout)
+    assert f"stopped by {signal_name} (sent to another rank) {stop}" in out, \
+        out[-2000:] + res.stderr[-3000:]
+    status = 128 + {"SIGTERM": 15, "SIGINT": 2}[signal_name]
+    assert _exit_codes(res.stderr) == {r: status for r in range(nproc)}, res.stderr[-3000:]
+    state = _load(ckpt / "train_DDP" / "last.pth")
+    assert (state["epoch"], state["step"]) == (1, 3)
+    assert "Traceback" not in out and "Error" not in out
+
+    if nproc == 3:  # and the saved step goes on from there, to the end
+        res = _torchrun(nproc, REPO_ROOT / "AMP" / "train_DDP.py", *flags, "--resume")
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "resumed from" in res.stdout and "epoch 2, step 3" in res.stdout
+        assert _load(ckpt / "train_DDP" / "last.pth")["epoch"] == 4
+
+
+# ------------------------------------------------------------------ uneven shards, same start
+def _with_one_more_val_image(root: Path, dst: Path) -> Path:
+    shutil.copytree(root, dst)
+    first = sorted((dst / "val" / "red").iterdir())[0]
+    shutil.copy(first, first.with_name("extra.png"))
+    return dst
+
+
+@pytest.mark.slow
+def test_fsdp_at_3_processes_validates_uneven_shards_and_starts_from_the_seeds_weights(
+        mini_imagefolder_root, tmp_path, capsys):
+    """4 validation images over 3 ranks at batch 1: 2, 1 and 1 forwards, each one a
+    collective (FSDP2 gathers every block). --lr 0: the weights stay the initial ones,
+    which must be the seed's, as a one-process run makes them."""
+    root = _with_one_more_val_image(mini_imagefolder_root, tmp_path / "data")
+    ckpt = tmp_path / "ckpt"
+    flags = _flags(root, ckpt, "--batch_size", "1", "--epochs", "1", "--lr", "0",
+                   arch=FSDP_ARCH)
+    res = _torchrun(3, REPO_ROOT / "AMP" / "train_FSDP.py", *flags, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    shown = re.search(r"val_acc \S+ \((\d+)/(\d+)\)", res.stdout)
+    assert shown and shown.group(2) == "4", res.stdout
+    last = ckpt / "train_FSDP" / "last.pth"
+    want = _seeds_model(FSDP_ARCH, 3)
+    got = _parameters(_load(last)["model"], want)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), "ranks started from other weights"
+    import eval_without  # the count is exact: one process counts the same
+
+    eval_without.main(["--checkpoint", str(last), "--no-cuda"])
+    assert parse_accuracy(capsys.readouterr().out) == (int(shown.group(1)), 4)
+
+
+@pytest.mark.slow
+def test_ddp_at_4_processes_with_an_empty_shard_and_an_unreadable_image(mini_imagefolder_root,
+                                                                        tmp_path):
+    """3 validation images over 4 ranks: rank 3 has none, and still runs the forward its
+    peers' collectives wait for. One training image cannot be read: with batches of 1, the
+    rank whose batch it fills would run a step fewer; the next readable image takes its
+    place. --lr 0: the weights stay the seed's."""
+    root = tmp_path / "data"
+    shutil.copytree(mini_imagefolder_root, root)
+    bad = root / "train" / "green" / "000.png"
+    bad.write_bytes(b"not an image")
+    ckpt = tmp_path / "ckpt"
+    flags = _flags(root, ckpt, "--batch_size", "1", "--epochs", "1", "--lr", "0",
+                   "--skip_bad_images")
+    res = _torchrun(4, REPO_ROOT / "AMP" / "train_DDP.py", *flags, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.search(r"val_acc \S+ \(\d+/3\)", res.stdout), res.stdout
+    assert "skipped" in res.stdout and str(bad) in res.stdout, res.stdout
+    want = _seeds_model(FAST_ARCH, 3)
+    got = _parameters(_load(ckpt / "train_DDP" / "last.pth")["model"], want)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+# ------------------------------------------------------------------ in-process, the rules
+class _Ranks:
+    """A DistInfo stand-in for rank 0 of a group whose other ranks' answers are given."""
+
+    distributed, rank, is_main = True, 0, True
+
+    def __init__(self, others: list) -> None:
+        self.others = others
+
+    def gather(self, items: list) -> list:
+        return list(items) + self.others
+
+
+def _args(ckpt: Path, resume="auto"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(resume=resume, checkpoint=ckpt, variant="train_DDP")
+
+
+def test_rank_0_decides_what_is_resumed_and_every_rank_must_see_it(tmp_path):
+    from ampkit.machinery.errors import UserError
+    from ampkit.machinery.resume import _identity, agreed_resume_path
+
+    run_dir = tmp_path / "train_DDP"
+    run_dir.mkdir()
+    last = run_dir / "last.pth"
+    last.write_bytes(b"a checkpoint")
+    same = ("node1", str(last), True, None, _identity(last))
+    assert agreed_resume_path(_args(tmp_path), run_dir, _Ranks([same])) == last
+    for other, words in [
+            (("node1", "/elsewhere/last.pth", False, None, None), "finds none at /elsewhere"),
+            (("node1", "/elsewhere/last.pth", True, None, (12, 1)), "finds another file"),
+            (("node1", "/elsewhere/last.pth", False, "--resume: no checkpoint to resume at "
+              "/elsewhere/last.pth", None), "--resume: no checkpoint")]:
+        with pytest.raises(UserError) as e:
+            agreed_resume_path(_args(tmp_path), run_dir, _Ranks([same, other]))
+        assert "rank 2 on node1" in str(e.value) and words in str(e.value), e.value
+        assert "must be shared by every node" in str(e.value)
+    # Rank 0 starts afresh (a restart where its folder has no last.pth): so does every rank.
+    assert agreed_resume_path(_args(tmp_path, resume=None), tmp_path / "none",
+                              _Ranks([same])) is None
+
+
+@pytest.fixture
+def gloo_of_one():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_the_stop_lands_after_the_step_or_with_peers_the_next(group, request):
+    """A signal during step 3 of 10 (--log_every 20): one process stops after step 3; in a
+    process group, where the vote cast after step 3 is read after step 4, after step 4.
+    Either way the epoch ends there, at any --log_every."""
+    from ampkit.distributed import DistInfo, StopVote
+    from ampkit.engine import train_one_epoch
+    from ampkit.machinery.signals import StopFlag
+
+    if group:
+        request.getfixturevalue("gloo_of_one")
+    info = DistInfo.of(torch.device("cpu"))
+    assert info.distributed == group
+    flag, steps = StopFlag(), []
+
+    def step(window):
+        steps.append(1)
+        if len(steps) == 3:
+            flag.request("SIGTERM")
+        return torch.tensor(1.0), torch.tensor(1.0)
+
+    batches = [(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long))] * 10
+    stats = train_one_epoch(step, batches, info, stop=StopVote(flag, info), log_every=20)
+    assert stats.stopped_at == len(steps) == (4 if group else 3)
