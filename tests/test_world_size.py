@@ -239,3 +239,21 @@ def test_the_stop_lands_after_the_step_or_with_peers_the_next(group, request):
     batches = [(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long))] * 10
     stats = train_one_epoch(step, batches, info, stop=StopVote(flag, info), log_every=20)
     assert stats.stopped_at == len(steps) == (4 if group else 3)
+
+
+def test_each_rank_and_each_gpu_draws_from_a_stream_of_its_own():
+    """After the model: rank r's CPU stream (dropout, the classic path's flips) is its own,
+    the same for the same seed; with CUDA every visible GPU's is its own too, or
+    DataParallel's replicas would drop the same units of their chunks."""
+    from ampkit.distributed import seed_streams
+
+    draws = {}
+    for rank in (0, 1, 0):
+        seed_streams(7, rank, cuda=False)
+        draws.setdefault(rank, []).append(torch.rand(4))
+    assert torch.equal(draws[0][0], draws[0][1]) and not torch.equal(draws[0][0], draws[1][0])
+    if torch.cuda.device_count() > 1:
+        seed_streams(7, 0, cuda=True)
+        seeds = {torch.cuda.default_generators[i].initial_seed()
+                 for i in range(torch.cuda.device_count())}
+        assert len(seeds) == torch.cuda.device_count()
