@@ -18,11 +18,12 @@ group, or under torchrun in its group (then they alone, and rank 0 prints):
 Input pipeline: images/s delivered to the device at --img_size by the article's PIL
 path, the classic DataLoader path (ampkit.machinery.data) and the fast device path
 (ampkit.machinery.fastdata), on CIFAR-10 when --dataset_root holds it, else on generated images
-in CIFAR-10's format. All the measuring code is in ampkit/measure.py.
+in CIFAR-10's format. All the measuring code is in tools/measure.py.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -30,9 +31,16 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ampkit.machinery.config import AMP_DTYPES, DATA_DIR, Parser, check_arch_flags
+import torch
+
+from ampkit.distributed import want_cuda
+from ampkit.machinery.archs import check_arch_flags
+from ampkit.machinery.config import AMP_DTYPES, DATA_DIR, Parser
+from ampkit.machinery.data import default_workers
 from ampkit.machinery.errors import UserError
-from ampkit.machinery.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
+from ampkit.precision import cpu_has_fast_bf16, set_tf32
+from tools import measure
+from tools.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
 
 PIPELINES = {"all": ["article", "classic", "fast"], "both": ["classic", "fast"],
              "article": ["article"], "classic": ["classic"], "fast": ["fast"], "none": []}
@@ -151,12 +159,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
     """One StepResult per variant; a variant that fails is reported and the others run."""
-    import gc
-
-    import torch
-
-    from ampkit.machinery import measure
-
     results = []
     ddp = measure.DDPGroup(device.type == "cuda")
     if args.world_size > 1:
@@ -195,16 +197,8 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    import torch
-
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 alone prints and writes
         sys.stdout, args.json = open(os.devnull, "w"), None
-
-    from ampkit.machinery import measure
-    from ampkit.machinery.data import default_workers
-    from ampkit.distributed import want_cuda
-    from ampkit.precision import cpu_has_fast_bf16, set_tf32
-
     try:
         device = torch.device("cuda" if want_cuda(args.cuda) else "cpu")
     except UserError as e:

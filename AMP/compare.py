@@ -43,12 +43,16 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ampkit.machinery import report, runner
+import torch  # only to see the devices; the children do the work
+
+from ampkit.distributed import want_cuda
+from ampkit.machinery.archs import check_arch_flags
 from ampkit.machinery.config import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
-                           check_arch_flags, train_parser)
+                                     train_parser)
 from ampkit.machinery.errors import UserError
-from ampkit.machinery.report import FAILED, INTERRUPTED, NOT_RUN, OK, VariantResult
-from ampkit.machinery.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS, eval_name
+from tools import report, runner
+from tools.report import FAILED, INTERRUPTED, NOT_RUN, OK, VariantResult
+from tools.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS, eval_name
 
 AMP_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = REPO_ROOT / "results"
@@ -165,10 +169,6 @@ def _short(path: Path) -> str:
 
 class Comparison:
     def __init__(self, args: argparse.Namespace) -> None:
-        import torch  # only to see the devices; the children do the work
-
-        from ampkit.distributed import want_cuda
-
         self.args = args
         self.cuda = want_cuda(args.cuda)
         self.gpus = torch.cuda.device_count() if self.cuda else 0
@@ -372,7 +372,6 @@ def write_tensorboard(tb_dir: Path, curves: Dict[str, List[Tuple[int, float, flo
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    from ampkit.machinery.errors import UserError
     try:
         comp = Comparison(args)
     except UserError as e:

@@ -1,56 +1,32 @@
 """Train AlexNet with DistributedDataParallel, autocast and GradScaler: one process per GPU, fp16.
 
     torchrun --nproc_per_node=2 AMP/train_DDP_GradScaler.py --epochs 20
-    python AMP/train_DDP_GradScaler.py --epochs 20      # one process (a group of one)
+    python AMP/train_DDP_GradScaler.py --epochs 20      # a group of one process
 
-Several nodes (the same command on every node; HOST_OF_NODE0: the first node's address):
-
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
-        --rdzv-endpoint=HOST_OF_NODE0:29400 --rdzv-id=alexnet-amp AMP/train_DDP_GradScaler.py
-
-DDP's recipe, every step in main() and build() [the article's bugs]:
-1. one process per GPU, in a process group from torchrun's environment (RANK, LOCAL_RANK,
-   WORLD_SIZE): torch.cuda.set_device before any CUDA work, then init_process_group, NCCL
-   on GPUs and gloo on the CPU [rank and address by hand, gloo on GPUs too, no set_device];
-2. DistributedDataParallel(model), the model already on its device: each process holds a
-   whole replica, and backward() averages the gradients over the processes (all-reduce,
-   in buckets, overlapped with the rest of backward) [wrapped first, moved to the GPU after];
-3. DistributedSampler: each process its own share of the data; sampler.set_epoch(epoch)
-   every epoch [never called: every epoch repeated the first one's order];
-4. global rank 0 alone writes, the unwrapped module's weights (machinery/saving.py)
-   [every rank saved, with DDP's `module.` prefix];
-5. the loss and the accuracy summed over the processes by all_reduce [each rank divided
-   its own count by the whole test set];
-6. destroy_process_group at the end [never called].
-With --accum_steps: every micro-batch but the step's last inside model.no_sync(), its
-forward too (DDP arms the all-reduce in forward): one all-reduce per step.
-
-autocast computes in float16; GradScaler (see train_GradScaler.py) scales the loss so
-float16 gradients do not underflow. Every process has its own scaler, and they stay in
-step: the gradients they unscale are the same averaged ones, so all find the same
-inf/NaN, skip the same steps and keep the same scale.
-
+Every process has its own scaler, and they stay in step: the gradients they unscale are the
+same averaged ones, so all find the same inf/NaN, skip the same steps and keep the same
+scale. DDP's recipe: train_DDP.py.
 Pitfall: --batch_size is per process. fp16 needs the scaler; bf16 (--amp_dtype bfloat16)
 does not.
-The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
-`python AMP/train_DDP_GradScaler.py --help` lists the flags.
 """
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from ampkit.distributed import GROUP_TIMEOUT, elastic_store, torchrun_env
-from ampkit.engine import Parts, Technique
+from ampkit.engine import Parts, Technique, train_one_epoch
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
-from ampkit.train import Trainer
+from ampkit.train import Run
 
 
 def build(parts: Parts) -> Technique:
     model = parts.model  # on this process's device: cuda:LOCAL_RANK, or the CPU
-    # 2. A whole replica per process; backward() averages the gradients over them.
+    # A whole replica per process; backward() averages the gradients over them. The model is
+    # on its device already (the article wrapped it first, then moved it).
     model = DistributedDataParallel(model)  # device_ids: the model's own device
     criterion = parts.criterion
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
@@ -80,26 +56,43 @@ def build(parts: Parts) -> Technique:
     return Technique(model, optimizer, train_step, autocast, scaler)
 
 
-@report_user_errors  # after an error or a stop, also leaves the process group
+@report_user_errors  # a user's mistake: one line and exit status 2; the group is left too
 def main(argv=None):
     args = parse_train_args("train_DDP_GradScaler", argv, __doc__, process_group=True)
-    # 1. One process per device, in a process group from torchrun's environment.
+    # One process per GPU, in a group from torchrun's RANK, WORLD_SIZE and LOCAL_RANK (the
+    # article set rank and address by hand, and used gloo on GPUs too).
     rank, world_size, device = torchrun_env(args.cuda)  # device: cuda:LOCAL_RANK, or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank would use GPU 0
-    torch.distributed.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-        store=elastic_store(rank, world_size), timeout=GROUP_TIMEOUT, device_id=device.index)
-    with Trainer(args, device) as trainer:  # run folder, data, model, resumed state
-        # 3. Each process trains on its own share of the data.
-        sampler = DistributedSampler(trainer.train_set, shuffle=True, seed=args.seed)
-        technique = trainer.start(build, sampler)
-        for epoch in trainer.epochs():
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+                            world_size=world_size, store=elastic_store(rank, world_size),
+                            timeout=GROUP_TIMEOUT, device_id=device.index)  # None on the CPU
+    with Run(args, device) as run:  # run folder, logs, data, the model from --seed, resume
+        # Each process its own share of the data; the article's never changed its order.
+        sampler = DistributedSampler(run.train_set, shuffle=True, seed=args.seed)
+        loader = run.train_loader(sampler)
+        t = build(run.parts)  # the model as the script wraps it, its optimizer and step
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max", patience=3)
+        run.start(t, scheduler)  # a resumed run's states, --compile, the header line
+
+        def checkpoint():  # rank 0 writes it: the unwrapped weights, without DDP's
+            # "module." prefix (the article saved it on every rank, prefix and all)
+            return {"model": t.model.module.state_dict(), "optimizer": t.optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "scaler": t.scaler.state_dict()}
+
+        for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
             sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
-            # 4-5: rank 0 alone saves, the unwrapped weights (machinery/saving.py); loss and
-            # accuracy are summed over the ranks by all_reduce (engine.py, train.py)
-            trainer.train_epoch(technique, epoch)
-    torch.distributed.destroy_process_group()  # 6. leave the group
+            stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
+            if stats.stopped_at is not None:  # a signal: every rank stopped at this step
+                run.save(checkpoint, epoch, step=stats.stopped_at)
+                break
+            counts = run.validate(t)  # tensor([correct, seen]) of this rank's shard
+            dist.all_reduce(counts)  # summed: exact (the article divided each rank's own count)
+            correct, seen = counts.tolist()
+            scheduler.step(correct / seen)  # on validation accuracy (mode="max")
+            run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
+            run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
+    dist.destroy_process_group()  # leave the group (the article never did)
 
 
 if __name__ == "__main__":

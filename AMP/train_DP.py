@@ -3,27 +3,20 @@
     python AMP/train_DP.py --epochs 20
     CUDA_VISIBLE_DEVICES=0,1 python AMP/train_DP.py --dp_scope features
 
-Every step, DataParallel copies the model to each GPU, splits the batch between them,
-runs the replicas in one thread per GPU, gathers the outputs on GPU 0, and backward()
-sums the gradients there. One process and no launcher, but GPU 0 does extra work and the
-copies and Python threads cost time: DistributedDataParallel (train_DDP.py) is faster and
-is what PyTorch recommends. Without CUDA, DataParallel just calls the model.
---dp_scope features replicates only the convolutions (model.features), as pytorch/examples'
-ImageNet script does for AlexNet: the 54M-parameter classifier then stays on GPU 0 and is
-not copied every step.
-
-Pitfall: --batch_size is the whole batch, split across the GPUs (under DDP it is per
-process). The article saved the wrapped model, whose keys carry a `module.` prefix that
-no unwrapped model loads; checkpoints here hold the bare model's weights.
-The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
-`python AMP/train_DP.py --help` lists the flags.
+Every step DataParallel copies the model to each GPU, splits the batch, runs one replica per
+GPU in a thread of its own and gathers the outputs on GPU 0: one process and no launcher,
+but slower than DDP (train_DDP.py), which PyTorch recommends. --dp_scope features
+replicates the convolutions alone, as pytorch/examples' ImageNet script does for AlexNet.
+Without CUDA, DataParallel just calls the model.
+Pitfall: --batch_size is the whole batch, split across the GPUs. The article saved the
+wrapped model, whose `module.` keys no bare model loads.
 """
 import torch
 
-from ampkit.engine import Parts, Technique
+from ampkit.engine import Parts, Technique, train_one_epoch
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
-from ampkit.train import Trainer
+from ampkit.train import Run
 
 
 def build(parts: Parts) -> Technique:
@@ -53,13 +46,31 @@ def build(parts: Parts) -> Technique:
     return Technique(model, optimizer, train_step)
 
 
-@report_user_errors
+@report_user_errors  # a user's mistake: one line and exit status 2, never a traceback
 def main(argv=None):
     args = parse_train_args("train_DP", argv, __doc__)
-    with Trainer(args) as trainer:  # device, run folder, data, model, resumed state
-        technique = trainer.start(build)  # trained in one process's order, reshuffled each epoch
-        for epoch in trainer.epochs():
-            trainer.train_epoch(technique, epoch)  # train, validate, LR schedule, save, log
+    with Run(args) as run:  # device, run folder, logs, data, the model from --seed, resume
+        loader = run.train_loader()  # one process's order, a new one every epoch
+        t = build(run.parts)  # the model as the script wraps it, its optimizer and step
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max", patience=3)
+        run.start(t, scheduler)  # a resumed run's states, --compile, the header line
+
+        def checkpoint():  # what is saved; rank 0 writes it, in the background
+            # Without DataParallel's "module." prefix (the article kept it); inside
+            # (--dp_scope features), the prefix is dropped when the file is written.
+            bare = t.model.module if isinstance(t.model, torch.nn.DataParallel) else t.model
+            return {"model": bare.state_dict(), "optimizer": t.optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict()}
+
+        for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
+            stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
+            if stats.stopped_at is not None:  # a signal: saved at that step, for --resume
+                run.save(checkpoint, epoch, step=stats.stopped_at)
+                break
+            correct, seen = run.validate(t).tolist()  # top-1 on the validation split
+            scheduler.step(correct / seen)  # on validation accuracy (mode="max")
+            run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
+            run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
 
 
 if __name__ == "__main__":

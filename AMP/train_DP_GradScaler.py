@@ -3,24 +3,19 @@
     python AMP/train_DP_GradScaler.py --epochs 20
     python AMP/train_DP_GradScaler.py --dp_scope features
 
-DataParallel (see train_DP.py) runs one replica per GPU in its own thread; what it
-replicates re-enters autocast with the run's dtype in every thread (see
-train_DP_autocast.py); GradScaler (see train_GradScaler.py) scales the loss so float16
-gradients do not underflow. There is one scaler: DataParallel sums the replicas'
-gradients on GPU 0 before scaler.step() looks at them.
-
+One scaler for all the GPUs: DataParallel sums the replicas' gradients on GPU 0 before
+scaler.step() looks at them. What DataParallel replicates re-enters autocast with the run's
+dtype in every replica thread (train_DP_autocast.py).
 Pitfall: fp16 needs the scaler, bf16 (--amp_dtype bfloat16) does not. --batch_size is the
 whole batch, split across the GPUs.
-The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
-`python AMP/train_DP_GradScaler.py --help` lists the flags.
 """
 import torch
 
-from ampkit.engine import Parts, Technique
+from ampkit.engine import Parts, Technique, train_one_epoch
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
 from ampkit.models import autocast_replicas
-from ampkit.train import Trainer
+from ampkit.train import Run
 
 
 def build(parts: Parts) -> Technique:
@@ -56,13 +51,31 @@ def build(parts: Parts) -> Technique:
     return Technique(model, optimizer, train_step, autocast, scaler)
 
 
-@report_user_errors
+@report_user_errors  # a user's mistake: one line and exit status 2, never a traceback
 def main(argv=None):
     args = parse_train_args("train_DP_GradScaler", argv, __doc__)
-    with Trainer(args) as trainer:  # device, run folder, data, model, resumed state
-        technique = trainer.start(build)  # trained in one process's order, reshuffled each epoch
-        for epoch in trainer.epochs():
-            trainer.train_epoch(technique, epoch)  # train, validate, LR schedule, save, log
+    with Run(args) as run:  # device, run folder, logs, data, the model from --seed, resume
+        loader = run.train_loader()  # one process's order, a new one every epoch
+        t = build(run.parts)  # the model as the script wraps it, its optimizer and step
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max", patience=3)
+        run.start(t, scheduler)  # a resumed run's states, --compile, the header line
+
+        def checkpoint():  # what is saved; rank 0 writes it, in the background
+            # Without DataParallel's "module." prefix (the article kept it); inside
+            # (--dp_scope features), the prefix is dropped when the file is written.
+            bare = t.model.module if isinstance(t.model, torch.nn.DataParallel) else t.model
+            return {"model": bare.state_dict(), "optimizer": t.optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "scaler": t.scaler.state_dict()}
+
+        for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
+            stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
+            if stats.stopped_at is not None:  # a signal: saved at that step, for --resume
+                run.save(checkpoint, epoch, step=stats.stopped_at)
+                break
+            correct, seen = run.validate(t).tolist()  # top-1 on the validation split
+            scheduler.step(correct / seen)  # on validation accuracy (mode="max")
+            run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
+            run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
 
 
 if __name__ == "__main__":

@@ -3,26 +3,19 @@
     python AMP/train_DP_autocast.py --epochs 20
     python AMP/train_DP_autocast.py --amp_dtype bfloat16 --dp_scope features
 
-DataParallel (see train_DP.py) splits each batch across the GPUs and runs one replica per
-GPU in its own thread; autocast (see train_autocast.py) runs convolutions and matmuls in
-float16 (bfloat16 with --amp_dtype bfloat16) and keeps the weights in float32.
-
 Pitfall: autocast state is thread-local. DataParallel's replica threads re-enter autocast
 with the caller's on/off flag but their own default dtype (float16 on CUDA), so a bf16 run
 would silently compute in fp16 there. The article decorated AlexNet's forward with
-@autocast(); here whatever DataParallel replicates -- the model, or model.features with
---dp_scope features -- is wrapped so that it re-enters autocast with the run's dtype in
-every thread (autocast_in_replicas, ampkit/models.py), for any --arch.
-The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
-`python AMP/train_DP_autocast.py --help` lists the flags.
+@autocast(); here what DataParallel replicates (the model, or model.features) re-enters
+autocast with the run's dtype in every thread, for any --arch (autocast_replicas).
 """
 import torch
 
-from ampkit.engine import Parts, Technique
+from ampkit.engine import Parts, Technique, train_one_epoch
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
 from ampkit.models import autocast_replicas
-from ampkit.train import Trainer
+from ampkit.train import Run
 
 
 def build(parts: Parts) -> Technique:
@@ -55,13 +48,31 @@ def build(parts: Parts) -> Technique:
     return Technique(model, optimizer, train_step, autocast)
 
 
-@report_user_errors
+@report_user_errors  # a user's mistake: one line and exit status 2, never a traceback
 def main(argv=None):
     args = parse_train_args("train_DP_autocast", argv, __doc__)
-    with Trainer(args) as trainer:  # device, run folder, data, model, resumed state
-        technique = trainer.start(build)  # trained in one process's order, reshuffled each epoch
-        for epoch in trainer.epochs():
-            trainer.train_epoch(technique, epoch)  # train, validate, LR schedule, save, log
+    with Run(args) as run:  # device, run folder, logs, data, the model from --seed, resume
+        loader = run.train_loader()  # one process's order, a new one every epoch
+        t = build(run.parts)  # the model as the script wraps it, its optimizer and step
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max", patience=3)
+        run.start(t, scheduler)  # a resumed run's states, --compile, the header line
+
+        def checkpoint():  # what is saved; rank 0 writes it, in the background
+            # Without DataParallel's "module." prefix (the article kept it); inside
+            # (--dp_scope features), the prefix is dropped when the file is written.
+            bare = t.model.module if isinstance(t.model, torch.nn.DataParallel) else t.model
+            return {"model": bare.state_dict(), "optimizer": t.optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict()}
+
+        for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
+            stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
+            if stats.stopped_at is not None:  # a signal: saved at that step, for --resume
+                run.save(checkpoint, epoch, step=stats.stopped_at)
+                break
+            correct, seen = run.validate(t).tolist()  # top-1 on the validation split
+            scheduler.step(correct / seen)  # on validation accuracy (mode="max")
+            run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
+            run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
 
 
 if __name__ == "__main__":

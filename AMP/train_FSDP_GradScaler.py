@@ -1,54 +1,31 @@
-"""Train with FSDP2 (fully_shard), autocast and GradScaler: sharded model, fp16 with loss scaling.
+"""Train with FSDP2 (fully_shard), autocast and GradScaler: one process per GPU, fp16.
 
     torchrun --nproc_per_node=2 AMP/train_FSDP_GradScaler.py --epochs 20
-    python AMP/train_FSDP_GradScaler.py --epochs 20      # one process (a group of one)
 
-Several nodes (the same command on every node; HOST_OF_NODE0: the first node's address):
-
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
-        --rdzv-endpoint=HOST_OF_NODE0:29400 --rdzv-id=alexnet-amp AMP/train_FSDP_GradScaler.py
-
-DDP's recipe, FSDP2 the wrapper, every step in main() and build() [the article's bugs]:
-1. one process per GPU, in a process group from torchrun's environment (RANK, LOCAL_RANK,
-   WORLD_SIZE): torch.cuda.set_device before any CUDA work, then init_process_group, NCCL
-   on GPUs and gloo on the CPU [rank and address by hand, gloo on GPUs too, no set_device];
-2. fully_shard each block, then the root: each process holds a shard of every
-   parameter, gradient and AdamW state (the optimizer, made after it, steps on them);
-3. DistributedSampler: each process its own share of the data; sampler.set_epoch(epoch)
-   every epoch [never called: every epoch repeated the first one's order];
-4. global rank 0 alone writes, the full weights, gathered from the shards (machinery/saving.py)
-   [every rank saved, with DDP's `module.` prefix];
-5. the loss and the accuracy summed over the processes by all_reduce [each rank divided
-   its own count by the whole test set];
-6. destroy_process_group at the end [never called].
-With --accum_steps: model.set_requires_gradient_sync(last), so only the step's last
-micro-batch reduce-scatters; until then each process holds unsharded gradients.
-
-GradScaler (see train_GradScaler.py) scales the loss so that float16 gradients do not
-underflow. The gradients are sharded DTensors, and torch.amp.GradScaler takes them as
-they are: inf/NaN in any process's shard skips the step everywhere, so the shards stay
-in step (FSDP1 needed its own ShardedGradScaler for that).
-
+The gradients are sharded DTensors, and torch.amp.GradScaler takes them as they are: an
+inf/NaN in any process's shard skips the step everywhere, so the shards stay in step (FSDP1
+needed its own ShardedGradScaler for that). Sharding: train_FSDP.py.
 Pitfall: --batch_size is per process. fp16 needs the scaler; bf16 (--amp_dtype bfloat16)
 does not.
-The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
-`python AMP/train_FSDP_GradScaler.py --help` lists the flags.
 """
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
 from ampkit.distributed import GROUP_TIMEOUT, elastic_store, torchrun_env
-from ampkit.engine import Parts, Technique
+from ampkit.engine import Parts, Technique, train_one_epoch
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
 from ampkit.models import shard_units
-from ampkit.train import Trainer
+from ampkit.train import Run
 
 
 def build(parts: Parts) -> Technique:
     model = parts.model.to(memory_format=torch.contiguous_format)  # what fully_shard takes
-    # 2. Each process holds a shard of every parameter; each block is gathered to run.
+    # Each process holds a shard of every parameter; each block is gathered to run.
     for block in shard_units(model):  # each layer or residual block, then the root
         fully_shard(block)
     model = fully_shard(model)
@@ -83,26 +60,45 @@ def build(parts: Parts) -> Technique:
     return Technique(model, optimizer, train_step, autocast, scaler)
 
 
-@report_user_errors  # after an error or a stop, also leaves the process group
+@report_user_errors  # a user's mistake: one line and exit status 2; the group is left too
 def main(argv=None):
     args = parse_train_args("train_FSDP_GradScaler", argv, __doc__, process_group=True)
-    # 1. One process per device, in a process group from torchrun's environment.
+    # One process per GPU, in a group from torchrun's RANK, WORLD_SIZE and LOCAL_RANK (the
+    # article set rank and address by hand, and used gloo on GPUs too).
     rank, world_size, device = torchrun_env(args.cuda)  # device: cuda:LOCAL_RANK, or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank would use GPU 0
-    torch.distributed.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-        store=elastic_store(rank, world_size), timeout=GROUP_TIMEOUT, device_id=device.index)
-    with Trainer(args, device) as trainer:  # run folder, data, model, resumed state
-        # 3. Each process trains on its own share of the data.
-        sampler = DistributedSampler(trainer.train_set, shuffle=True, seed=args.seed)
-        technique = trainer.start(build, sampler)
-        for epoch in trainer.epochs():
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+                            world_size=world_size, store=elastic_store(rank, world_size),
+                            timeout=GROUP_TIMEOUT, device_id=device.index)  # None on the CPU
+    with Run(args, device) as run:  # run folder, logs, data, the model from --seed, resume
+        # Each process its own share of the data; the article's never changed its order.
+        sampler = DistributedSampler(run.train_set, shuffle=True, seed=args.seed)
+        loader = run.train_loader(sampler)
+        t = build(run.parts)  # the model as the script wraps it, its optimizer and step
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max", patience=3)
+        run.start(t, scheduler)  # a resumed run's states, --compile, the header line
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # to rank 0's CPU
+
+        def checkpoint():  # every rank gathers the full state from the shards; rank 0 writes
+            return {"model": get_model_state_dict(t.model, options=full),
+                    "optimizer": get_optimizer_state_dict(t.model, t.optimizer, options=full),
+                    "scheduler": scheduler.state_dict(), "scaler": t.scaler.state_dict()}
+
+        for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
             sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
-            # 4-5: rank 0 alone saves, the unwrapped weights (machinery/saving.py); loss and
-            # accuracy are summed over the ranks by all_reduce (engine.py, train.py)
-            trainer.train_epoch(technique, epoch)
-    torch.distributed.destroy_process_group()  # 6. leave the group
+            stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
+            if stats.stopped_at is not None:  # a signal: every rank stopped at this step
+                run.save(checkpoint, epoch, step=stats.stopped_at)
+                break
+            counts = run.validate(t)  # tensor([correct, seen]) of this rank's shard
+            dist.all_reduce(counts)  # summed: exact (the article divided each rank's own count)
+            correct, seen = counts.tolist()
+            scheduler.step(correct / seen)  # on validation accuracy (mode="max")
+            run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
+            run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
+    dist.destroy_process_group()  # leave the group (the article never did)
 
 
 if __name__ == "__main__":

@@ -3,27 +3,20 @@
     python AMP/train_GradScaler.py --epochs 20
     python AMP/train_GradScaler.py --amp_dtype bfloat16    # works, but bf16 needs no scaler
 
-GradScaler multiplies the loss by a large factor (65536 at first) before backward(), so
-float16 gradients that would underflow to zero stay representable. scaler.step() divides
-the gradients by the factor again before the optimizer uses them, and skips the step when
-they hold inf/NaN (the factor was too large); scaler.update() then halves the factor, and
-doubles it after 2000 steps without overflow. The skipped steps are counted in the epoch
-line and in TensorBoard. The article's torch.cuda.amp.GradScaler() is
-torch.amp.GradScaler("cuda") now.
-
-Pitfall: anything that reads the gradients (clipping, the norm) must come after
-scaler.unscale_(optimizer), called once per optimizer step: with --accum_steps, after the
-window's last backward(), never per micro-batch ("unscale_() has already been called");
-step() and update() at the window's end only. fp16 needs loss scaling, bf16 does not.
-The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
-`python AMP/train_GradScaler.py --help` lists the flags.
+GradScaler multiplies the loss by a large factor (65536 at first), so float16 gradients stay
+representable; scaler.step() divides them again and skips a step whose gradients hold
+inf/NaN, and scaler.update() then halves the factor (and doubles it after 2000 good steps).
+The article's torch.cuda.amp.GradScaler() is torch.amp.GradScaler("cuda") now.
+Pitfall: what reads the gradients (clipping, the norm) comes after scaler.unscale_(optimizer),
+once per optimizer step: with --accum_steps after the step's last backward(), never per
+micro-batch.
 """
 import torch
 
-from ampkit.engine import Parts, Technique
+from ampkit.engine import Parts, Technique, train_one_epoch
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
-from ampkit.train import Trainer
+from ampkit.train import Run
 
 
 def build(parts: Parts) -> Technique:
@@ -54,13 +47,28 @@ def build(parts: Parts) -> Technique:
     return Technique(model, optimizer, train_step, autocast, scaler)
 
 
-@report_user_errors
+@report_user_errors  # a user's mistake: one line and exit status 2, never a traceback
 def main(argv=None):
     args = parse_train_args("train_GradScaler", argv, __doc__)
-    with Trainer(args) as trainer:  # device, run folder, data, model, resumed state
-        technique = trainer.start(build)  # trained in one process's order, reshuffled each epoch
-        for epoch in trainer.epochs():
-            trainer.train_epoch(technique, epoch)  # train, validate, LR schedule, save, log
+    with Run(args) as run:  # device, run folder, logs, data, the model from --seed, resume
+        loader = run.train_loader()  # one process's order, a new one every epoch
+        t = build(run.parts)  # the model as the script wraps it, its optimizer and step
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max", patience=3)
+        run.start(t, scheduler)  # a resumed run's states, --compile, the header line
+
+        def checkpoint():  # what is saved; rank 0 writes it, in the background
+            return {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "scaler": t.scaler.state_dict()}
+
+        for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
+            stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
+            if stats.stopped_at is not None:  # a signal: saved at that step, for --resume
+                run.save(checkpoint, epoch, step=stats.stopped_at)
+                break
+            correct, seen = run.validate(t).tolist()  # top-1 on the validation split
+            scheduler.step(correct / seen)  # on validation accuracy (mode="max")
+            run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
+            run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
 
 
 if __name__ == "__main__":

@@ -3,24 +3,19 @@
     python AMP/train_autocast.py --epochs 20
     python AMP/train_autocast.py --amp_dtype bfloat16      # GPUs from Ampere on, and the CPU
 
-autocast runs each operator in the precision that suits it: convolutions and matmuls in
-float16 (the default on CUDA) or bfloat16 (the default on the CPU); reductions, softmax and
-the loss in float32. The weights, their gradients and the optimizer stay in float32, and
-backward() needs no autocast: each operator's gradient runs in the dtype of its forward.
-The article's torch.cuda.amp.autocast() is torch.autocast("cuda") now, and CUDA-only.
-
-Pitfall: float16's range is narrow (its smallest normal number is 6e-5), so small gradients
-can underflow to zero and training quietly stalls; GradScaler prevents that
-(train_GradScaler.py). bfloat16 has float32's range and needs no scaler.
-The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
-`python AMP/train_autocast.py --help` lists the flags.
+autocast runs convolutions and matmuls in float16 (CUDA's default) or bfloat16 (the CPU's),
+reductions, softmax and the loss in float32; the weights, their gradients and AdamW stay
+float32, and backward() needs no autocast. The article's torch.cuda.amp.autocast() is
+torch.autocast("cuda") now.
+Pitfall: float16's smallest normal number is 6e-5, so small gradients can underflow to zero
+and training quietly stalls (train_GradScaler.py); bfloat16 has float32's range.
 """
 import torch
 
-from ampkit.engine import Parts, Technique
+from ampkit.engine import Parts, Technique, train_one_epoch
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
-from ampkit.train import Trainer
+from ampkit.train import Run
 
 
 def build(parts: Parts) -> Technique:
@@ -48,13 +43,28 @@ def build(parts: Parts) -> Technique:
     return Technique(model, optimizer, train_step, autocast)
 
 
-@report_user_errors
+@report_user_errors  # a user's mistake: one line and exit status 2, never a traceback
 def main(argv=None):
     args = parse_train_args("train_autocast", argv, __doc__)
-    with Trainer(args) as trainer:  # device, run folder, data, model, resumed state
-        technique = trainer.start(build)  # trained in one process's order, reshuffled each epoch
-        for epoch in trainer.epochs():
-            trainer.train_epoch(technique, epoch)  # train, validate, LR schedule, save, log
+    with Run(args) as run:  # device, run folder, logs, data, the model from --seed, resume
+        loader = run.train_loader()  # one process's order, a new one every epoch
+        t = build(run.parts)  # the model as the script wraps it, its optimizer and step
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max", patience=3)
+        run.start(t, scheduler)  # a resumed run's states, --compile, the header line
+
+        def checkpoint():  # what is saved; rank 0 writes it, in the background
+            return {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict()}
+
+        for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
+            stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
+            if stats.stopped_at is not None:  # a signal: saved at that step, for --resume
+                run.save(checkpoint, epoch, step=stats.stopped_at)
+                break
+            correct, seen = run.validate(t).tolist()  # top-1 on the validation split
+            scheduler.step(correct / seen)  # on validation accuracy (mode="max")
+            run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
+            run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
 
 
 if __name__ == "__main__":

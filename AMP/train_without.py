@@ -2,29 +2,19 @@
 
     python AMP/train_without.py --epochs 20
     python AMP/train_without.py --dataset ImageFolder --dataset_root data/flowers --img_size 224
+    python AMP/train_without.py --accum_steps 4 --clip_grad 1.0   # a step over 4 x 64 images
 
-`build` below is the whole technique of this variant: the plain training step, with no
-wrapper and no mixed precision, and its optimizer (AdamW, fused: one kernel for all the
-parameters, several times faster than the default on the CPU too).
-
---accum_steps K: one optimizer step over K micro-batches of --batch_size, each one's loss
-weighted by its share of the step's images, so a step is the mean over all of them; the
-last step of an epoch may have fewer, and is not halved for it. --clip_grad N: the
-gradients' norm is clipped to N before the step; it is logged per epoch either way.
-
-What the article got wrong, fixed in the shared loop: it read the loss back with .item()
-every step (the host waits for the GPU each time), stepped the LR schedule on the last
-batch's loss, and shuffled nothing. Here the loss is read every --log_every steps, the
-schedule steps on validation accuracy, and every epoch has a new order.
-The rest of the run (data, validation, checkpoints, logs, resume) is ampkit.train.Trainer;
-`python AMP/train_without.py --help` lists the flags.
+The article read the loss back with .item() every step (the host waited for the GPU each
+time), stepped its LR schedule on the last batch's loss and never shuffled. Here the loss
+is read every --log_every steps, the schedule steps on validation accuracy, and every
+epoch has a new order. `python AMP/train_without.py --help` lists the flags.
 """
 import torch
 
-from ampkit.engine import Parts, Technique
+from ampkit.engine import Parts, Technique, train_one_epoch
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
-from ampkit.train import Trainer
+from ampkit.train import Run
 
 
 def build(parts: Parts) -> Technique:
@@ -50,13 +40,28 @@ def build(parts: Parts) -> Technique:
     return Technique(model, optimizer, train_step)
 
 
-@report_user_errors
+@report_user_errors  # a user's mistake: one line and exit status 2, never a traceback
 def main(argv=None):
     args = parse_train_args("train_without", argv, __doc__)
-    with Trainer(args) as trainer:  # device, run folder, data, model, resumed state
-        technique = trainer.start(build)  # trained in one process's order, reshuffled each epoch
-        for epoch in trainer.epochs():
-            trainer.train_epoch(technique, epoch)  # train, validate, LR schedule, save, log
+    with Run(args) as run:  # device, run folder, logs, data, the model from --seed, resume
+        loader = run.train_loader()  # one process's order, a new one every epoch
+        t = build(run.parts)  # the model as the script wraps it, its optimizer and step
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max", patience=3)
+        run.start(t, scheduler)  # a resumed run's states, --compile, the header line
+
+        def checkpoint():  # what is saved; rank 0 writes it, in the background
+            return {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict()}
+
+        for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
+            stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
+            if stats.stopped_at is not None:  # a signal: saved at that step, for --resume
+                run.save(checkpoint, epoch, step=stats.stopped_at)
+                break
+            correct, seen = run.validate(t).tolist()  # top-1 on the validation split
+            scheduler.step(correct / seen)  # on validation accuracy (mode="max")
+            run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
+            run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
 
 
 if __name__ == "__main__":

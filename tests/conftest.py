@@ -26,21 +26,23 @@ Fixtures (session-scoped, generated once per test session, never touching the re
 
 Functions:
 
-``python()`` -> str, ``REAL_PYTHON``
-    The interpreter that tests start scripts with: a wrapper that runs each as a fork of a
-    warm server that has imported torch (tests/helpers/zygote.py), a process of its own
-    without the ~5 s of imports; ``REAL_PYTHON`` is ``sys.executable``, for the tests that
-    check the interpreter itself. ``AMP_TESTS_ZYGOTE=0`` makes ``python()`` the real one.
+``PYTHON``: the interpreter the tests start scripts with (``sys.executable``: a real, fresh
+    one each time, whose exit status, streams, signals and teardown are a user's).
 
-``kill_job(pid, sig)``, ``job_processes(pid)``
-    ``os.killpg`` for a job started with ``python()``, whose forked runs are not in the
-    group of the process the test started: ``sig`` once to every process that runs code.
+``kill_job(pid, sig)``: ``sig`` to every process of a job started in a session of its own
+    (``start_new_session=True``), as a batch scheduler signals one; to ``pid`` alone if it
+    leads no group of its own.
+
+``run_main(name, *args)``: a script's ``main(argv)`` in this process, where a process of
+    its own adds nothing: a :class:`ScriptResult` with what it printed, the warnings it
+    raised (on stderr, as an interpreter shows them) and its exit status; the environment
+    and the working folder are the caller's again afterwards.
 
 ``run_script(name, *args, torchrun_nproc=None, env=None, timeout=DEFAULT_TIMEOUT)``
     Run ``python AMP/<name>.py *args`` from the repository root, or, with
     ``torchrun_nproc=N``, ``python -m torch.distributed.run --standalone
     --nproc_per_node=N AMP/<name>.py *args`` (``--standalone`` picks a free
-    rendezvous port, so parallel runs never collide), with ``python()``. ``name`` may be
+    rendezvous port, so parallel runs never collide), with ``PYTHON``. ``name`` may be
     given with or without ``.py``. ``env`` is merged over a copy of ``os.environ`` from which
     torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...) are removed; unless
     PYTHONWARNINGS is set, DeprecationWarnings raised for ``AMP/`` code are made
@@ -242,105 +244,25 @@ def _kill_scripts_then_die(signum, frame):
     for pgid in list(_LIVE_GROUPS):
         with contextlib.suppress(OSError):
             os.killpg(pgid, signal.SIGKILL)
-    if "proc" in _ZYGOTE:
-        _ZYGOTE["proc"].terminate()  # and every run it forked
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
 
 def pytest_configure(config):
     signal.signal(signal.SIGTERM, _kill_scripts_then_die)
-    if os.environ.get("AMP_TESTS_ZYGOTE", "1") != "0" and not config.option.markexpr:
-        _start_zygote()  # the whole suite: its imports overlap the collection's
 
 
-# ---------------------------------------------------------------- the tests' python
-REAL_PYTHON = sys.executable
-_ZYGOTE: dict = {}
-
-
-def _start_zygote() -> None:
-    """Start the server (it imports torch while the caller goes on); ``python()`` waits."""
-    import shlex
-    import tempfile
-
-    folder = Path(tempfile.mkdtemp(prefix="ampz"))  # short: a socket path is <108 bytes
-    sock, wrapper = folder / "sock", folder / "python"
-    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(REAL_PYTHON)} -S "
-                       f"{shlex.quote(str(REPO_ROOT / 'tests/helpers/python_via_zygote.py'))} "
-                       f"{shlex.quote(str(sock))} \"$@\"\n")
-    wrapper.chmod(0o755)
-    env = {k: v for k, v in os.environ.items()
-           if k not in _TORCHRUN_VARS + ("PYTHONWARNINGS", "OMP_NUM_THREADS")}
-    (folder / "runs").mkdir()
-    proc = subprocess.Popen([REAL_PYTHON, str(REPO_ROOT / "tests/helpers/zygote.py"),
-                             str(sock), str(wrapper), str(folder / "runs")], cwd=REPO_ROOT,
-                            env=env, stdout=subprocess.PIPE, start_new_session=True, text=True)
-    _ZYGOTE.update(proc=proc, folder=folder, pending=str(wrapper))
-
-
-def python() -> str:
-    """The interpreter the tests start scripts with: a wrapper that runs each as a fork of
-    a warm server with torch already imported (tests/helpers/zygote.py, which says what
-    that keeps of a fresh process), ~5 s less a process on the test machine. Started with
-    the session when no -m picks a tier, else on first use; ``AMP_TESTS_ZYGOTE=0``
-    gives the plain interpreter. A signal meant for a whole job goes through ``kill_job``."""
-    if os.environ.get("AMP_TESTS_ZYGOTE", "1") == "0":
-        return REAL_PYTHON
-    if "proc" not in _ZYGOTE:
-        _start_zygote()
-    if "wrapper" not in _ZYGOTE:
-        ready = _ZYGOTE["proc"].stdout.readline().strip() == "ready"
-        _ZYGOTE["why_not"] = None if ready else "the server did not start"
-        try:  # a temporary folder mounted noexec, say: then the real one
-            subprocess.run([_ZYGOTE["pending"], "-c", "pass"], check=True, timeout=60)
-        except (OSError, subprocess.SubprocessError):
-            _ZYGOTE["why_not"] = f"{_ZYGOTE['pending']} cannot be run (a noexec folder?)"
-        _ZYGOTE["wrapper"] = REAL_PYTHON if _ZYGOTE["why_not"] else _ZYGOTE["pending"]
-    return _ZYGOTE["wrapper"]
-
-
-def job_processes(pid: int) -> Tuple[List[int], List[int]]:
-    """(the processes that run the job started as ``pid``, the clients among its members
-    that stand for a forked run): its descendants, and the runs that the warm python forked
-    for any of them (tests/helpers/zygote.py keeps ``runs/<run pid>`` -> client pid)."""
-    parents: Dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text()
-                                          .rsplit(")", 1)[1].split()[1])
-    client_of: Dict[int, int] = {}
-    if "folder" in _ZYGOTE:
-        for run in (_ZYGOTE["folder"] / "runs").iterdir():
-            with contextlib.suppress(OSError, ValueError):
-                client_of[int(run.name)] = int(run.read_text())
-    job, grew = {pid}, True
-    while grew:
-        more = {p for p, parent in parents.items() if parent in job}
-        more |= {r for r, client in client_of.items() if client in job}
-        grew = not more <= job
-        job |= more
-    clients = {c for r, c in client_of.items() if r in job}
-    return sorted(job - clients), sorted(clients & job)
+PYTHON = sys.executable
 
 
 def kill_job(pid: int, sig: int) -> None:
-    """``os.killpg`` for a job started with ``python()``: ``sig`` to every process of it
-    that runs code (once each: a client passes on what it gets, and ends as its run does)."""
-    runs, _ = job_processes(pid)
-    for p in runs:
-        with contextlib.suppress(OSError):
-            os.kill(p, sig)
-
-
-def pytest_unconfigure(config):
-    if "proc" in _ZYGOTE:
-        _ZYGOTE["proc"].terminate()
-        _ZYGOTE["proc"].wait()
-        import shutil
-
-        shutil.rmtree(_ZYGOTE["folder"], ignore_errors=True)
+    """``sig`` to the job started as ``pid`` in a session of its own: its whole process
+    group (torchrun and its workers, say); to ``pid`` alone if it leads no group."""
+    with contextlib.suppress(ProcessLookupError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
 
 
 def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
@@ -350,9 +272,9 @@ def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
     assert (REPO_ROOT / script).is_file(), f"no such script: {script}"
     argv = [str(a) for a in args]
     if torchrun_nproc is None:
-        cmd = [python(), script, *argv]
+        cmd = [PYTHON, script, *argv]
     else:
-        cmd = [python(), "-m", "torch.distributed.run", "--standalone",
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={torchrun_nproc}", script, *argv]
     full_env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
     full_env.setdefault("PYTHONWARNINGS", _show_our_deprecations())
@@ -367,14 +289,49 @@ def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_job(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n"
                     f"{clean_output(out)}\n--- stderr\n{clean_output(err)}")
     finally:
         _LIVE_GROUPS.discard(proc.pid)
     return ScriptResult(proc.returncode, out, err, cmd)
+
+
+def run_main(name: str, *args, env: Optional[Dict[str, str]] = None) -> ScriptResult:
+    """``AMP/<name>.py``'s ``main(argv)`` in this process (see the module docstring): its exit
+    status, stdout, and stderr followed by the warnings it raised, as an interpreter prints
+    them. torchrun's variables are taken out of the environment for the call (a DDP script
+    then makes a group of one, as under plain ``python``) and everything is put back."""
+    import importlib
+    import io
+    import warnings
+
+    module = importlib.import_module(name.removesuffix(".py"))
+    argv = [str(a) for a in args]
+    saved_env, saved_argv, saved_cwd = dict(os.environ), sys.argv, os.getcwd()
+    for key in _TORCHRUN_VARS:
+        os.environ.pop(key, None)
+    os.environ.update(env or {})
+    sys.argv = [str(AMP_DIR / f"{module.__name__}.py"), *argv]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    try:
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
+            warnings.simplefilter("default")  # each one once, as a fresh interpreter shows it
+            try:
+                module.main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+    shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                    for w in caught)
+    return ScriptResult(code, out.getvalue(), err.getvalue() + shown, [name, *argv])
 
 
 _ACC_RE = re.compile(r"(\d+)/(\d+) = (\d+(?:\.\d+)?)\s*$", re.M)
@@ -402,6 +359,18 @@ def assert_clean_stderr(stderr: str) -> None:
             assert line.startswith(OWN_WARNING), f"unexpected warning: {line!r}"
 
 
+@pytest.fixture
+def gloo_of_one():
+    """A one-process gloo group in this process: a DDP or FSDP2 script's build() in-process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def tiny_args(tmp: Path, dataset_root: Path, *, dataset: str = "ImageFolder",
               epochs: int = 1, batch_size: int = 16, lr: Optional[float] = None,
               tensorboard: bool = False, cuda: bool = False) -> List[str]:
@@ -424,9 +393,9 @@ def as_a_dataparallel_replica(replica, images, run_dtype, device_type="cpu"):
     """Call ``replica(images)`` as ``nn.DataParallel`` does (torch.nn.parallel.parallel_apply's
     worker): in a thread of its own, which re-enters autocast with the caller's *enabled*
     flag but its own default dtype, while the caller runs under ``run_dtype``. Returns
-    (the thread's default autocast dtype -- the control --, the replica's output). On one
-    GPU DataParallel calls the module in the caller's thread instead, where a missing
-    re-entry would not show: this is how a test sees it there."""
+    (the thread's default autocast dtype -- the control --, the replica's output). Without
+    CUDA, DataParallel has no threads and parallel_apply cannot run: this is how a test on
+    the CPU sees it (the CUDA test calls parallel_apply itself)."""
     import threading
 
     import torch

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO_ROOT, clean_output, python
+from conftest import PYTHON, REPO_ROOT, run_main
 
 CPU = torch.device("cpu")
 
@@ -75,7 +75,7 @@ def test_a_short_last_window_is_weighted_as_what_it_holds():
     """5 micro-batches with K = 2: steps over 2, 2 and 1; the last one's gradient is that one
     micro-batch's mean loss's, not half of it."""
     import train_without
-    from ampkit.distributed import DistInfo
+    from ampkit.machinery.ranks import DistInfo
     from ampkit.engine import train_one_epoch
 
     torch.manual_seed(0)
@@ -123,18 +123,6 @@ def test_clipped_gradients_with_a_scaler_are_those_without(accum_steps):
     assert scaled.scaler.get_scale() == 2.0 ** 16  # no step was skipped
 
 
-@pytest.fixture
-def gloo_of_one():
-    """A one-process gloo group: the DDP and FSDP2 scripts' build() in-process."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("script", ["train_GradScaler", "train_DP_GradScaler",
                                     "train_DDP_GradScaler", "train_FSDP_GradScaler",
                                     "train_FSDP_mixed"])
@@ -174,7 +162,7 @@ def test_every_scaler_script_accumulates_and_clips_as_at_scale_one(script, gloo_
 
 @pytest.mark.slow
 def test_ddp_and_fsdp_accumulate_as_one_process_and_ddp_reduces_once_a_step():
-    res = subprocess.run([python(), "-m", "torch.distributed.run", "--standalone",
+    res = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone",
                           "--nproc_per_node=3", "tests/helpers/accum_check.py"],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -200,16 +188,14 @@ def test_a_stop_mid_window_saves_whole_steps_and_resume_counts_every_step(imagef
              "--img_size", "64", "--batch_size", "8", "--accum_steps", "2", "--epochs", "2",
              "--no-cuda", "--no-tensorboard", "--checkpoint", str(ckpt), "--arch", "resnet18"]
     helper = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
-    res = subprocess.run([python(), str(helper), "train_without", *flags],
+    res = subprocess.run([PYTHON, str(helper), "train_without", *flags],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, FAULT_SIGTERM_AT_LOSS="3"))
     assert res.returncode == 128 + signal.SIGTERM, res.stderr[-2000:]
     stopped = torch.load(run_dir / "last.pth", map_location="cpu", weights_only=True)
     assert (stopped["epoch"], stopped["step"]) == (0, 2)
     assert _adam_steps(run_dir / "last.pth") == 2
-    res = subprocess.run([python(), str(REPO_ROOT / "AMP" / "train_without.py"), *flags,
-                          "--resume"], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=300)
+    res = run_main("train_without", *flags, "--resume")
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "resumed from" in clean_output(res.stdout) and "step 2" in res.stdout
+    assert "resumed from" in res.stdout and "step 2" in res.stdout
     assert _adam_steps(run_dir / "last.pth") == 6

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from conftest import (FSDP_ARCH, IF_VAL_SIZE, REPO_ROOT, as_a_dataparallel_replica, clean_output,
-                      kill_job, parse_accuracy, python, run_script, tiny_args)
+                      kill_job, parse_accuracy, PYTHON, run_main, run_script, tiny_args)
 
 CPU = torch.device("cpu")
 
@@ -79,7 +79,7 @@ def test_another_arch_under_ddp_autocast_and_exact_eval(imagefolder_root, tmp_pa
     ckpt = tmp_path / "checkpoint" / "train_DDP_autocast" / "last.pth"
     state = torch.load(ckpt, weights_only=True, mmap=True)
     assert state["arch"] == "shufflenet_v2_x0_5" and "fc.weight" in state["model"]
-    ev = run_script("eval_DDP", "--checkpoint", ckpt, "--no-cuda")  # rebuilds the ShuffleNet
+    ev = run_main("eval_DDP", "--checkpoint", ckpt, "--no-cuda")  # rebuilds the ShuffleNet
     assert ev.returncode == 0, ev.describe()
     assert "(shufflenet_v2_x0_5, trained on ImageFolder" in ev.stdout
     # The last epoch's validation (2 ranks, exact) counted the same on the same weights.
@@ -126,7 +126,7 @@ def test_bf16_under_dataparallel_for_any_arch():
 @pytest.mark.slow
 def test_fsdp_resumes_after_sigkill(imagefolder_root, tmp_path):
     flags = tiny_args(tmp_path, imagefolder_root, epochs=2, batch_size=8) + ["--arch", FSDP_ARCH]
-    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO_ROOT / "AMP" / "train_FSDP_GradScaler.py"), *flags]
     run_dir = tmp_path / "checkpoint" / "train_FSDP_GradScaler"
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -153,20 +153,8 @@ def test_fsdp_resumes_after_sigkill(imagefolder_root, tmp_path):
     assert rows == [1, 2]
 
 
-@pytest.fixture
-def group_of_one():
-    """A one-process gloo group, so FSDP2 can shard a model in-process."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("variant", ["train_FSDP_autocast", "train_FSDP_mixed"])
-def test_fsdp_precision_is_what_the_script_says(variant, group_of_one):
+def test_fsdp_precision_is_what_the_script_says(variant, gloo_of_one):
     """autocast: per operator, under the script's autocast; MixedPrecisionPolicy: the block's
     parameters are cast, no autocast needed, and the root's output is float32 again."""
     import importlib
@@ -201,7 +189,7 @@ def test_fsdp_mixed_refuses_batchnorm_networks():
         train_FSDP_mixed.build(Parts(CPU, net, nn.CrossEntropyLoss(), arch="resnet18"))
 
 
-def test_fsdp_takes_a_channels_last_model(group_of_one):
+def test_fsdp_takes_a_channels_last_model(gloo_of_one):
     """--channels_last makes the conv weights channels_last, which fully_shard refuses
     ("FSDP does not support non-contiguous parameters"): the FSDP2 scripts shard contiguous
     weights and still train on channels_last inputs."""

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import FAST_ARCH, IF_VAL_SIZE, event_files, run_script
 
-from ampkit.machinery import report, runner  # AMP/ is on sys.path (conftest)
+from tools import report, runner  # AMP/ is on sys.path (conftest)
 
 OK_VARIANTS = ("train_without", "train_DDP")
 FAILING = "train_GradScaler"  # forced to fail with an unknown flag
@@ -59,7 +59,7 @@ def test_accuracy_curve_is_accuracy_against_cumulative_training_time():
 
 def _result(variant, status="ok", images_per_s=None, peak_mem_mb=None, device="cpu",
             source="log"):
-    from ampkit.machinery.variants import TRAIN_VARIANTS
+    from tools.variants import TRAIN_VARIANTS
 
     parallel, precision = TRAIN_VARIANTS[variant]
     return report.VariantResult(variant=variant, parallel=parallel, precision=precision,
@@ -354,7 +354,7 @@ def test_benchmark_channels_last_reaches_the_model_and_its_inputs(monkeypatch, c
     """benchmark.py --channels_last measures what training with --channels_last runs."""
     import torch
 
-    from ampkit.machinery import measure
+    from tools import measure
     from ampkit.models import build_model
 
     seen = []
@@ -380,7 +380,7 @@ def test_benchmark_reads_nothing_back_inside_its_timed_window(monkeypatch):
     import torch
 
     from ampkit import engine
-    from ampkit.machinery import measure
+    from tools import measure
 
     timing, reads = [False], []
     real_timed, real_check = measure._timed, engine._host_check

@@ -75,7 +75,8 @@ def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
     .item(), a blocking copy, GradScaler reading its inf flag) raises. ``vote``: in an
     NCCL group, with the ranks' stop vote after every step (on its gloo group, a CPU
     tensor: reading it must not wait for the GPU)."""
-    from ampkit.distributed import DistInfo, StopVote
+    from ampkit.distributed import StopVote
+    from ampkit.machinery.ranks import DistInfo
     from ampkit.engine import train_one_epoch
     from ampkit.machinery.signals import StopFlag
     from ampkit.precision import SkippedSteps

@@ -42,7 +42,7 @@ def test_skipped_steps_are_each_epochs_own():
     A first scale of 2**127 and large inputs overflow the scaled gradients of the first steps
     (5 on this project's machine), until the halved scale fits."""
     import train_GradScaler
-    from ampkit.distributed import DistInfo
+    from ampkit.machinery.ranks import DistInfo
     from ampkit.engine import Parts, train_one_epoch
     from ampkit.precision import SkippedSteps
 

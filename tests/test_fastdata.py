@@ -21,12 +21,12 @@ from torch import nn
 
 from torch.utils.data import DistributedSampler
 
-from ampkit.distributed import DistInfo
+from ampkit.machinery.ranks import DistInfo
 from ampkit.machinery.data import eval_loader, train_loader
 from ampkit.machinery.datasets import STD, build_datasets, build_transform, one_process_sampler
 from ampkit.machinery.errors import UserError
 from ampkit.machinery.fastdata import DeviceLoader, fast_loaders, fits_in_memory, load_uint8
-from ampkit.machinery.measure import measure_input_pipeline, write_cifar10
+from tools.measure import measure_input_pipeline, write_cifar10
 
 CPU = torch.device("cpu")
 # One uint8 step after normalisation (the largest for the smallest std): PIL rounds its

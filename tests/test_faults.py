@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAST_ARCH, IF_TRAIN_SIZE, REPO_ROOT, clean_output, kill_job, python
+from conftest import FAST_ARCH, IF_TRAIN_SIZE, REPO_ROOT, clean_output, kill_job, PYTHON
 
 def _args(root: Path, ckpt: Path, *extra: str, dataset: str = "ImageFolder") -> list:
     """A quick in-process run on conftest.FAST_ARCH (what fails here is not the network)."""
@@ -152,7 +152,7 @@ def _cifar(root: Path, archive: bool, *extra: tarfile.TarInfo, broken: bool = Tr
     """A tiny CIFAR-10 in ``root``; with ``archive``, a cifar-10-python.tar.gz of it beside it
     (``extra`` members last, so an extractor that checks as it goes has written the rest);
     ``broken``: data_batch_1 is cut short."""
-    from ampkit.machinery.measure import write_cifar10
+    from tools.measure import write_cifar10
 
     write_cifar10(root, 60, 11, seed=1, learnable=True)
     if archive:
@@ -494,7 +494,7 @@ def test_a_killed_ddp_worker_leaves_one_line_per_survivor(imagefolder_root, tmp_
     ckpt = tmp_path / "ckpt"
     flags = _args(imagefolder_root, ckpt, "--epochs", "50", "--log_every", "1")
     flags[flags.index("--batch_size") + 1] = "4"
-    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO_ROOT / "AMP" / "train_DDP.py"), *flags]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -23,7 +23,7 @@ from ampkit.engine import Parts, Technique
 from ampkit.models import AutocastForward
 from conftest import as_a_dataparallel_replica
 from ampkit.precision import resolve_amp_dtype
-from ampkit.machinery.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
+from tools.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
 
 CPU = torch.device("cpu")
 
@@ -41,19 +41,6 @@ def model():
 def images():
     torch.manual_seed(1)
     return torch.randn(2, 3, 64, 64)
-
-
-@pytest.fixture(scope="module")
-def gloo_group():
-    """A one-process gloo group, so DistributedDataParallel can wrap the model in-process."""
-    if dist.is_initialized():  # pragma: no cover - another test module left one
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -86,7 +73,7 @@ def test_cpu_default_amp_dtype_is_bfloat16():
 
 
 @pytest.mark.parametrize("variant", sorted(ARTICLE_VARIANTS))
-def test_variant_forward_dtype(variant, model, images, gloo_group):
+def test_variant_forward_dtype(variant, model, images, gloo_of_one):
     parallel, precision = TRAIN_VARIANTS[variant]
     want = torch.float32 if precision == "fp32" else torch.bfloat16
     v = build(variant, model)

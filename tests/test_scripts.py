@@ -3,7 +3,10 @@
 Each training variant runs once (lazily, cached for the module) and its outputs are
 shared by the tests below: the smoke test of each script, learning, TensorBoard on or
 off, checkpoint contents, and the eval scripts, which evaluate those checkpoints.
-DDP scripts run under ``torchrun --nproc_per_node=2`` (gloo on the CPU).
+A one-process script runs in this process, through its ``main(argv)``; train_DDP_GradScaler
+and train_FSDP run under ``torchrun --nproc_per_node=2`` (gloo on the CPU), the other DDP
+and FSDP2 scripts as a group of one, as ``python AMP/train_DDP.py`` starts it, in this
+process too (test_world_size.py runs them at 3 and 4 processes).
 
 Plan of the training runs (48 train / 21 val ImageFolder images, 64 px, CPU; AlexNet in
 fp32, the autocast variants on conftest.FAST_ARCH, FSDP2's on conftest.FSDP_ARCH):
@@ -27,7 +30,8 @@ import torch
 
 from conftest import (CIFAR_TEST_SIZE, CIFAR_TRAIN_SIZE, FAST_ARCH, FSDP_ARCH, IF_TRAIN_SIZE,
                       IF_VAL_SIZE, MINI_TRAIN_PER_CLASS, MINI_VAL_PER_CLASS, ScriptResult,
-                      assert_clean_stderr, event_files, parse_accuracy, run_script, tiny_args)
+                      assert_clean_stderr, event_files, parse_accuracy, run_main, run_script,
+                      tiny_args)
 
 pytestmark = pytest.mark.slow
 
@@ -48,14 +52,14 @@ PLAN: Dict[str, dict] = {
     "train_DP": dict(batch_size=48),
     "train_DP_autocast": dict(batch_size=48, arch=FAST_ARCH),
     "train_DP_GradScaler": dict(batch_size=48, arch=FAST_ARCH),
-    "train_DDP": dict(batch_size=24, nproc=2),            # 24 images per rank
-    "train_DDP_autocast": dict(batch_size=24, nproc=2, arch=FAST_ARCH),
+    "train_DDP": dict(batch_size=48),                     # a group of one
+    "train_DDP_autocast": dict(batch_size=48, arch=FAST_ARCH),
     "train_DDP_GradScaler": dict(batch_size=12, nproc=2, tensorboard=True,  # 2 steps per rank
                                  arch=FAST_ARCH),
     "train_FSDP": dict(batch_size=24, nproc=2, arch=FSDP_ARCH),
-    "train_FSDP_autocast": dict(batch_size=24, nproc=2, arch=FSDP_ARCH),
-    "train_FSDP_GradScaler": dict(batch_size=24, nproc=2, arch=FSDP_ARCH),
-    "train_FSDP_mixed": dict(batch_size=3, nproc=2, dataset="mini"),  # 3 images per rank
+    "train_FSDP_autocast": dict(batch_size=48, arch=FSDP_ARCH),
+    "train_FSDP_GradScaler": dict(batch_size=48, arch=FSDP_ARCH),
+    "train_FSDP_mixed": dict(batch_size=6, dataset="mini"),  # a group of one
 }
 TB_VARIANT = "train_DDP_GradScaler"
 
@@ -117,7 +121,8 @@ class Runs:
             epochs = plan.setdefault("epochs", 1)
             args = tiny_args(self.root, self.data_roots[data], dataset=DATA[data][0], lr=1e-4,
                              **plan)
-            result = run_script(variant, *args, "--arch", arch, torchrun_nproc=nproc)
+            result = (run_main(variant, *args, "--arch", arch) if nproc is None else
+                      run_script(variant, *args, "--arch", arch, torchrun_nproc=nproc))
             self._train[variant] = TrainRun(variant, result, self.root / "checkpoint" / variant,
                                             self.root / "tensorboard", epochs, data, nproc,
                                             arch)
@@ -127,8 +132,9 @@ class Runs:
              nproc: Optional[int] = None) -> ScriptResult:
         key = (script, str(checkpoint), args, nproc)
         if key not in self._eval:
-            self._eval[key] = run_script(script, "--checkpoint", checkpoint, "--no-cuda", *args,
-                                         torchrun_nproc=nproc)
+            flags = ("--checkpoint", checkpoint, "--no-cuda", *args)
+            self._eval[key] = (run_main(script, *flags) if nproc is None else
+                               run_script(script, *flags, torchrun_nproc=nproc))
         return self._eval[key]
 
 
@@ -322,9 +328,8 @@ def test_old_checkpoint_with_module_prefix_still_evaluates(runs, tmp_path):
     old = tmp_path / "article_dp.pth"
     torch.save({f"module.{k}": v for k, v in state.items()}, old)
     del state
-    result = run_script("eval_without", "--checkpoint", old, "--no-cuda", "--dataset",
-                        "ImageFolder", "--dataset_root", runs.imagefolder_root,
-                        "--img_size", "64")
+    result = run_main("eval_without", "--checkpoint", old, "--no-cuda", "--dataset",
+                      "ImageFolder", "--dataset_root", runs.imagefolder_root, "--img_size", "64")
     assert _eval_ok(result, old, IF_VAL_SIZE) == _dp_reference(runs)
 
 
@@ -346,8 +351,8 @@ _NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.
 def test_cifar10_missing_without_network_is_one_line(tmp_path):
     empty = tmp_path / "data"
     empty.mkdir()
-    result = run_script("train_without", *tiny_args(tmp_path, empty, dataset="CIFAR10"),
-                        env=_NO_NETWORK, timeout=120)
+    result = run_main("train_without", *tiny_args(tmp_path, empty, dataset="CIFAR10"),
+                      env=_NO_NETWORK)
     line = _single_line_error(result)
     assert "cifar-10-python.tar.gz" in line and str(empty) in line, line
     assert not list((tmp_path / "checkpoint").rglob("*.pth"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import (FAST_ARCH, FSDP_ARCH, REPO_ROOT, clean_output, kill_job, parse_accuracy,
-                      python)
+                      PYTHON)
 
 HELPER = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
 
@@ -30,7 +30,7 @@ def _torchrun(nproc: int, script: Path, *args: str, env: dict | None = None,
               timeout: float = 240) -> subprocess.CompletedProcess:
     """torchrun with ``nproc`` workers; past ``timeout`` (a rank waiting on a collective
     that its peers skipped) the whole job is killed and the test fails."""
-    cmd = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,
@@ -204,23 +204,13 @@ def test_rank_0_decides_what_is_resumed_and_every_rank_must_see_it(tmp_path):
                               _Ranks([same])) is None
 
 
-@pytest.fixture
-def gloo_of_one():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("group", [False, True])
 def test_the_stop_lands_after_the_step_or_with_peers_the_next(group, request):
     """A signal during step 3 of 10 (--log_every 20): one process stops after step 3; in a
     process group, where the vote cast after step 3 is read after step 4, after step 4.
     Either way the epoch ends there, at any --log_every."""
-    from ampkit.distributed import DistInfo, StopVote
+    from ampkit.distributed import StopVote
+    from ampkit.machinery.ranks import DistInfo
     from ampkit.engine import train_one_epoch
     from ampkit.machinery.signals import StopFlag
 

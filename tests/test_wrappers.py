@@ -1,12 +1,16 @@
 """Wrapper prefixes: whatever wraps the model (DP on the whole model or on model.features,
 DDP, torch.compile), the saved weights carry the bare AlexNet's keys."""
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
 import train_DP
 from alexnet import alexnet
-from ampkit.machinery import checkpoint as ckpt_io
 from ampkit.engine import Parts
+from ampkit.machinery import checkpoint as ckpt_io
+from ampkit.machinery.ranks import DistInfo
+from ampkit.machinery.saving import checkpoint_state
 
 
 def _bare_keys():
@@ -19,11 +23,20 @@ def _dp(dp_scope: str) -> nn.Module:
     return train_DP.build(parts).model
 
 
+def _saved(model: nn.Module) -> dict:
+    """The weights as a DataParallel script hands them over (the model inside a whole-model
+    DataParallel), as the checkpoint holds them."""
+    bare = model.module if isinstance(model, nn.DataParallel) else model
+    args = SimpleNamespace(arch="alexnet", variant="train_DP")
+    return checkpoint_state({"model": bare.state_dict()}, args, DistInfo(torch.device("cpu")),
+                            {}, 3, resume=False)["model"]
+
+
 def test_dp_on_features_only_saves_bare_keys_and_runs():
     model = _dp("features")
     assert isinstance(model.features, nn.DataParallel)
     assert any(".module." in k for k in model.state_dict())  # the raw keys do carry it
-    state = ckpt_io.model_state(model)
+    state = _saved(model)
     assert set(state) == _bare_keys()
     fresh = alexnet(num_classes=3)
     fresh.load_state_dict(state)  # strict: every key matches
@@ -33,7 +46,7 @@ def test_dp_on_features_only_saves_bare_keys_and_runs():
 def test_whole_model_dp_saves_bare_keys():
     model = _dp("model")
     assert all(k.startswith("module.") for k in model.state_dict())
-    assert set(ckpt_io.model_state(model)) == _bare_keys()
+    assert set(_saved(model)) == _bare_keys()
 
 
 def test_strip_prefixes_handles_nested_and_compiled_wrappers():

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .distributed import DistInfo, StopVote, synchronize
+from .distributed import StopVote
+from .machinery.ranks import DistInfo, synchronize
 from .machinery.errors import UserError
 from .precision import SkippedSteps, resolve_amp_dtype
 
@@ -180,7 +181,7 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
     bar = tqdm(total=total, initial=start_step, desc=desc, disable=not info.is_main,
                leave=False, dynamic_ncols=True, unit="step")
     # The bar is closed before any error message, so it is not drawn over.
-    with bar, profiler or contextlib.nullcontext():
+    with profiler or contextlib.nullcontext(), bar:  # the bar closes first, then a report
         for window, waited in windows(loader, accum_steps, device, input_format):
             data_seconds += waited  # host time waiting for input
             with skipped.watch():

@@ -19,13 +19,15 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .distributed import DistInfo, single_process_device
+from .distributed import single_process_device
+from .machinery.ranks import DistInfo
 from .engine import count_correct
 from .machinery import checkpoint as ckpt_io
-from .machinery.config import DATA_DIR, check_arch_flags
+from .machinery.archs import DEFAULT_ARCH, check_arch_flags
+from .machinery.config import DATA_DIR
 from .machinery.data import build_loaders, take_skipped
 from .machinery.errors import UserError
-from .models import DEFAULT_ARCH, autocast_replicas, build_model
+from .models import autocast_replicas, build_model
 from .precision import resolve_amp_dtype
 
 

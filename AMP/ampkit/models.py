@@ -1,10 +1,9 @@
 """Which network a run trains: ``--arch``, any torchvision classifier by its builder name.
 
-- ``alexnet`` (the default) is the article's AlexNet (``AMP/alexnet.py``); any other name
-  is torchvision's model, built by ``torchvision.models.get_model``; ``--pretrained`` takes
-  torchvision's default weights and, for another number of classes, a new last layer.
-- ``check_input_size`` runs the model once on the meta device (no memory, no time), so an
-  image size the model cannot take is one line before anything is trained.
+- ``build_model``: torchvision's model, by ``torchvision.models.get_model`` (``alexnet``, the
+  default, has the layers of the article's ``AMP/alexnet.py``, so their weights load into
+  each other); ``--pretrained`` takes torchvision's default weights and, for another number
+  of classes, a new last layer. The names and their checks: ``machinery/archs.py``.
 - ``autocast_replicas``: what ``nn.DataParallel`` replicates (the model, or its
   ``features`` block), made to re-enter autocast with the run's dtype in the replica
   threads, which do not inherit it.
@@ -12,53 +11,21 @@
 """
 from __future__ import annotations
 
-import functools
-import inspect
-import warnings
-from typing import List, Optional
+from typing import List
 
 import torch
 import torchvision
 from torch import nn
 
-from alexnet import alexnet, autocast_forward
-
+from .machinery.archs import builder_kwargs, check_arch
 from .machinery.errors import UserError
-
-DEFAULT_ARCH = "alexnet"
-MIN_ALEXNET_SIZE = 63  # AlexNet's feature extractor needs at least 63x63 input
-
-
-@functools.lru_cache(maxsize=1)
-def arch_names() -> List[str]:
-    """Every torchvision classification model's builder name."""
-    return sorted(torchvision.models.list_models(module=torchvision.models))
-
-
-def check_arch(arch: str) -> None:
-    if arch not in arch_names():
-        raise UserError(f"unknown --arch {arch!r}: --arch list prints the {len(arch_names())} "
-                        "torchvision classifiers it takes (resnet18, resnet50, vit_b_16, ...)")
-
-
-def _builder_kwargs(arch: str) -> dict:
-    """Keyword arguments that make any classifier a plain one: one output tensor in training
-    (no auxiliary logits) and no warning about a default that will change."""
-    params = inspect.signature(torchvision.models.get_model_builder(arch)).parameters
-    kwargs = {}
-    if "aux_logits" in params or arch in ("googlenet", "inception_v3"):
-        kwargs["aux_logits"] = False
-    if arch in ("googlenet", "inception_v3"):
-        kwargs["init_weights"] = True
-    return kwargs
+from .precision import autocast_forward
 
 
 def build_model(arch: str, num_classes: int, pretrained: bool = False) -> nn.Module:
     """``arch`` with ``num_classes`` outputs, on the CPU (ImageNet weights with ``pretrained``)."""
-    if arch == DEFAULT_ARCH:
-        return alexnet(pretrained=pretrained, num_classes=num_classes)
     check_arch(arch)
-    kwargs = _builder_kwargs(arch)
+    kwargs = builder_kwargs(arch)
     if not pretrained:
         return torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
     weights = torchvision.models.get_model_weights(arch).DEFAULT  # downloaded via torch.hub
@@ -79,30 +46,6 @@ def _replace_head(model: nn.Module, num_classes: int) -> None:
     new = (nn.Linear(old.in_features, num_classes) if isinstance(old, nn.Linear)
            else nn.Conv2d(old.in_channels, num_classes, old.kernel_size, old.stride))
     setattr(parent, name.rpartition(".")[2], new)
-
-
-def check_input_size(arch: str, img_size: int) -> None:
-    """One line if ``arch`` cannot take ``img_size`` x ``img_size`` images (checked by a forward
-    pass on the meta device: shapes only, no memory, no arithmetic)."""
-    if arch == DEFAULT_ARCH:
-        if img_size < MIN_ALEXNET_SIZE:
-            raise UserError(f"--img_size must be at least {MIN_ALEXNET_SIZE} for AlexNet, "
-                            f"got {img_size}")
-        return
-    reason = _meta_forward_problem(arch, img_size)
-    if reason is not None and _meta_forward_problem(arch, 224) is None:
-        raise UserError(f"--img_size {img_size} does not suit --arch {arch}: {reason}")
-
-
-def _meta_forward_problem(arch: str, img_size: int) -> Optional[str]:
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = torchvision.models.get_model(arch, num_classes=10, **_builder_kwargs(arch))
-            model.eval()(torch.empty(2, 3, img_size, img_size))
-    except Exception as e:  # whatever the model raises on an input it cannot take
-        return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-    return None
 
 
 class AutocastForward(nn.Module):

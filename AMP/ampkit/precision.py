@@ -1,4 +1,5 @@
-"""Precision helpers: which autocast dtype a run uses, and GradScaler's skipped steps.
+"""Precision helpers: which autocast dtype a run uses, the forward that enters autocast
+itself, TF32, --compile, and GradScaler's skipped steps.
 
 The precision objects themselves (``torch.autocast`` and ``torch.amp.GradScaler``) are
 built by each training script, where a reader sees them.
@@ -6,10 +7,12 @@ built by each training script, where a reader sees them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch import nn
 
 from .machinery.errors import UserError
 
@@ -24,6 +27,24 @@ def resolve_amp_dtype(name: Optional[str], device: torch.device) -> torch.dtype:
         raise UserError(f"--amp_dtype bfloat16: {torch.cuda.get_device_name(device)} does not "
                         "support bfloat16 (use --amp_dtype float16)")
     return dtype
+
+
+def autocast_forward(forward: Callable) -> Callable:
+    """A module's ``forward`` that runs under ``torch.autocast(input.device.type,
+    self.amp_dtype)`` in whatever thread calls it (``amp_dtype`` None: as called): the
+    article's ``@autocast()`` on AlexNet's forward, with the dtype chosen at run time.
+    DataParallel runs each replica in a thread of its own, where autocast's dtype is not
+    the caller's."""
+
+    @functools.wraps(forward)
+    def wrapper(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any):
+        dtype = getattr(self, "amp_dtype", None)
+        if dtype is None:
+            return forward(self, x, *args, **kwargs)
+        with torch.amp.autocast(device_type=x.device.type, dtype=dtype):
+            return forward(self, x, *args, **kwargs)
+
+    return wrapper
 
 
 def cpu_has_fast_bf16() -> Optional[bool]:

@@ -1,8 +1,8 @@
 """Checkpoint IO: atomic writes in the background, safe loads, prefix-free weights.
 
-- Weights are saved from the unwrapped model (no ``module.`` / ``_orig_mod.``
-  prefixes), so any eval script loads any variant's checkpoint; prefixes in
-  older files are stripped on load.
+- The scripts hand over the unwrapped model's weights; a wrapper's segment still in a key
+  (``module.``, ``_orig_mod.``) is dropped on save and on load, so any eval script loads
+  any variant's checkpoint, older files included.
 - Writes go to a temporary file in the same folder, are flushed and fsync'ed,
   then ``os.replace``d over the target: a kill at any instant leaves either the
   previous file or the new one, never a truncated one.
@@ -33,22 +33,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from .errors import UserError
 
 LAST, BEST = "last.pth", "best.pth"
 _WRAPPER_SEGMENTS = ("module", "_orig_mod")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare model inside DataParallel / DDP / torch.compile wrappers."""
-    while True:
-        if hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
 
 
 def strip_prefixes(state_dict: Dict[str, Any]) -> Dict[str, Any]:
@@ -62,30 +52,6 @@ def strip_prefixes(state_dict: Dict[str, Any]) -> Dict[str, Any]:
 def is_sharded(model: nn.Module) -> bool:
     """FSDP2 (``fully_shard``): the parameters are DTensors, each process holding a shard."""
     return any(type(p).__name__ == "DTensor" for p in model.parameters())
-
-
-def _full_state_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def model_state(model: nn.Module) -> Dict[str, Any]:
-    """The model's weights without any wrapper prefix: loadable by every variant. Sharded by
-    FSDP2, the full weights are gathered -- a collective every rank takes part in -- into
-    rank 0's CPU memory (the other ranks get an empty dict)."""
-    if is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        return strip_prefixes(get_model_state_dict(model, options=_full_state_options()))
-    return strip_prefixes(unwrap(model).state_dict())
-
-
-def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> Dict[str, Any]:
-    """``optimizer.state_dict()``; for an FSDP2 model the full state, gathered like the weights
-    (keyed by parameter name), which :func:`load_optimizer_state` shards again."""
-    if is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        return get_optimizer_state_dict(model, optimizer, options=_full_state_options())
-    return optimizer.state_dict()
 
 
 def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
@@ -345,15 +311,15 @@ def checkpoint_num_classes(ckpt: Dict[str, Any]) -> Optional[int]:
 
 
 def load_weights(model: nn.Module, ckpt: Dict[str, Any], path: Path) -> None:
-    """Load ``ckpt['model']`` into the bare model, with one-line errors on mismatch."""
-    bare = unwrap(model)
+    """Load ``ckpt['model']`` into the bare (not yet wrapped) model, with one-line errors on
+    mismatch."""
     n_ckpt = checkpoint_num_classes(ckpt)
-    n_model = checkpoint_num_classes({"model": bare.state_dict()})
+    n_model = checkpoint_num_classes({"model": model.state_dict()})
     if n_ckpt is not None and n_model is not None and n_ckpt != n_model:
         raise UserError(f"{path}: checkpoint is for {n_ckpt} classes, but the data set "
                         f"has {n_model}")
     try:
-        bare.load_state_dict(ckpt["model"])
+        model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         arch = ckpt.get("arch") or "alexnet"
         raise UserError(f"{path}: weights do not fit this network ({arch} in the checkpoint; "
@@ -375,8 +341,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]
     optimizer handles inf/NaN itself (fused), and the foreach path then asserts."""
     built = [{k: g[k] for k in _IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
     if model is not None and is_sharded(model):  # a full state, sharded again on every rank
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             set_optimizer_state_dict)
         set_optimizer_state_dict(model, optimizer, state,
                                  options=StateDictOptions(full_state_dict=True))
     else:

@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .archs import check_arch_flags
+from .errors import UserError
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DATA_DIR = REPO_ROOT / "data"
 CHECKPOINT_DIR = REPO_ROOT / "checkpoint"
@@ -168,8 +171,6 @@ def eval_parser(variant: str, process_group: bool = False, doc: Optional[str] = 
 
 
 def _check_common(args: argparse.Namespace) -> None:
-    from .errors import UserError
-
     if args.batch_size is not None and args.batch_size <= 0:
         raise UserError(f"--batch_size must be a positive integer, got {args.batch_size}")
     if args.num_workers is not None and args.num_workers < 0:
@@ -177,26 +178,10 @@ def _check_common(args: argparse.Namespace) -> None:
     check_arch_flags(args.arch, args.img_size)
 
 
-def check_arch_flags(arch: Optional[str], img_size: Optional[int]) -> None:
-    """``--arch list`` prints the names and exits; an unknown name, or an image size the
-    network cannot take, is one line (None: not given, decided later)."""
-    from ..models import arch_names, check_arch, check_input_size
-
-    if arch == "list":
-        print("\n".join(arch_names()))
-        sys.exit(0)
-    if arch is not None:
-        check_arch(arch)
-        if img_size is not None:
-            check_input_size(arch, img_size)
-
-
 def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Optional[str] = None,
                      process_group: bool = False) -> argparse.Namespace:
     """A train script's flags (``argv``: sys.argv's by default), checked; ``args.variant`` is
     the script's name."""
-    from .errors import UserError
-
     argv = sys.argv[1:] if argv is None else list(argv)
     args = train_parser(variant, process_group, doc).parse_args(argv)
     args.given = given_flags(train_parser(variant, process_group, doc), argv)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .datasets import (BadImage, IndexSampler, ResumableSampler, Unreadable, build_datasets,
                        Substituted, collate_readable, collate_substituted,
                        one_process_sampler)
-from ..distributed import DistInfo
+from .ranks import DistInfo
 from .errors import UserError
 from .fastdata import fast_loaders, fits_in_memory
 

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler, default_colla
 from torchvision import transforms
 from torchvision.datasets.utils import calculate_md5, download_url
 
-from ..distributed import DistInfo
+from .ranks import DistInfo
 from .errors import RankError, UserError
 
 # ImageNet statistics: standard for AlexNet and what its pretrained weights expect.

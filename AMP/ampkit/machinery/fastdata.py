@@ -41,7 +41,7 @@ from torch.utils.data import Sampler, TensorDataset
 
 from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD, IndexSampler,
                        ResumableSampler, check_cifar_root, cifar10, one_process_sampler)
-from ..distributed import DistInfo
+from .ranks import DistInfo, derived_seed
 from .errors import UserError
 
 
@@ -78,12 +78,6 @@ def load_uint8(name: str, root: Path, info: DistInfo, train: bool) -> Tuple[torc
         raise UserError("--dataset ImageFolder is read from disk by the classic DataLoader "
                         "input path (--loader classic or auto); it is not held in memory")
     raise UserError(f"unknown --dataset {name!r}")
-
-
-def _flip_seed(seed: int, epoch: int, rank: int) -> int:
-    """A 63-bit seed mixing (seed, epoch, rank): distinct streams per epoch and per rank."""
-    state = np.random.SeedSequence([seed % 2**64, epoch, rank]).generate_state(2, np.uint32)
-    return (int(state[0]) << 31) ^ int(state[1])
 
 
 class DeviceLoader:
@@ -143,7 +137,7 @@ class DeviceLoader:
         # Flips for the whole epoch, then the same start_index cut as the sampler's:
         # a resumed epoch gets exactly the flips the interrupted one would have had.
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(_flip_seed(self.seed, self.sampler.epoch, self.rank))
+        gen.manual_seed(derived_seed(self.seed, 0, self.sampler.epoch, self.rank))  # 0: flips
         flips = torch.rand(self.sampler.num_samples, generator=gen, device=self.device) < 0.5
         return indices, flips[self.sampler.start_index:]
 

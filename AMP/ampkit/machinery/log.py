@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .memory import memory_kind, peak_memory_mb
 
 def format_duration(seconds: float) -> str:
     """``1342.4`` -> ``0h22m22s`` (the article divided seconds by 60 with //)."""
@@ -108,6 +109,25 @@ class RunLogger:
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
+
+
+def epoch_row(epoch: int, stats, counts, lr: float, epoch_seconds: float, args, info,
+              scaler, skipped_images: int, dp: bool, reset: bool) -> Dict[str, Any]:
+    """An epoch's figures, as the log line, log.jsonl and TensorBoard take them: ``stats``
+    (``ampkit.engine.EpochStats``), validation's ``counts`` (correct, seen) and this epoch's
+    peak memory on every rank (a collective; DataParallel: the largest of its GPUs)."""
+    device = info.device
+    per_rank = info.gather([round(peak_memory_mb(device, all_gpus=dp), 1)])
+    row = {"epoch": epoch + 1, "train_loss": stats.loss, "val_acc": counts[0] / counts[1],
+           "lr": lr, "epoch_time": epoch_seconds, "train_time": stats.seconds,
+           "data_time": stats.data_seconds, "images_per_s": stats.images_per_s,
+           "optimizer_steps": stats.steps,
+           "global_batch": args.batch_size * args.accum_steps * info.world_size,
+           "grad_norm_mean": stats.grad_norm_mean, "grad_norm_max": stats.grad_norm_max,
+           "skipped_steps": stats.skipped, "skipped_images": skipped_images,
+           "peak_mem_mb": max(per_rank), "peak_mem_mb_per_rank": per_rank,
+           "peak_mem_kind": memory_kind(device, reset)}
+    return row | ({"grad_scale": scaler.get_scale()} if scaler is not None else {})
 
 
 def header_line(args, info, technique, data, fp32_math: str) -> str:

@@ -7,19 +7,21 @@ operators that took the most time themselves.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile, schedule
 
 
 class StepProfiler:
     """``torch.profiler`` over training steps: ``wait`` steps skipped, ``warmup`` recorded and
     dropped (the profiler's own start-up), ``active`` recorded; then the Chrome trace is
-    written to ``path`` and ``table`` holds the top operators by self time."""
+    written to ``path`` and ``table`` holds the top operators by self time; ``say`` prints
+    :meth:`report` at the end."""
 
     def __init__(self, path: Path, device: torch.device, wait: int = 1, warmup: int = 1,
-                 active: int = 3) -> None:
-        from torch.profiler import ProfilerActivity, profile, schedule
-
+                 active: int = 3, say: Optional[Callable[[str], None]] = None) -> None:
+        self.say = say
         self.path, self.cuda, self.needed, self.table = Path(path), device.type == "cuda", \
             wait + warmup + active, ""
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
@@ -42,6 +44,8 @@ class StepProfiler:
 
     def __exit__(self, *exc) -> None:
         self.prof.stop()
+        if self.say is not None and exc[0] is None:
+            self.say(self.report())
 
     def report(self) -> str:
         """What to print once the steps are over."""

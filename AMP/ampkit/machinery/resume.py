@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt_io
+from .config import plain
 from .errors import UserError
 
 
@@ -167,8 +168,6 @@ def changes(trained: Dict[str, Any], args, optimizer: torch.optim.Optimizer) -> 
     """Every flag of this run that differs from the checkpoint's run, in one line; this run's
     value is used. The learning rate lives in the optimizer's saved state (the LR schedule
     may have lowered it): ``--lr`` on the command line sets it, else it goes on as saved."""
-    from .config import plain
-
     now = {key: plain(value) for key, value in vars(args).items() if key not in NOT_COMPARED}
     notes = [f"--{key} {now[key]} (was {then})" for key, then in sorted(trained.items())
              if key in now and now[key] != then]

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..distributed import DistInfo
+from .ranks import DistInfo
 from . import checkpoint as ckpt_io
 from .config import args_to_plain, parse_interval
 
@@ -26,20 +26,21 @@ from .config import args_to_plain, parse_interval
 RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng")
 
 
-def checkpoint_state(technique, scheduler, args, info: DistInfo, counters: Dict[str, Any],
+def checkpoint_state(saved: Dict[str, Any], args, info: DistInfo, counters: Dict[str, Any],
                      num_classes: int, resume: bool) -> Dict[str, Any]:
-    """The checkpoint's content (live tensors): ``counters`` (epoch, step, best_acc,
-    best_epoch, val_acc) and the weights; ``resume``: with what only resuming needs."""
-    model, device = technique.model, info.device
-    state = {"model": ckpt_io.model_state(model), "arch": args.arch, **counters,
+    """The checkpoint's content (live tensors): the script's ``saved`` (``model``: its
+    unwrapped weights, ``optimizer``, ``scheduler``, ``scaler``), ``counters`` (epoch, step,
+    best_acc, best_epoch, val_acc) and the run's metadata; ``resume``: with what only
+    resuming needs. A wrapper's prefix still in a key (DataParallel around
+    ``model.features``, autocast's wrapper in DataParallel's replicas) is dropped."""
+    device = info.device
+    state = {"model": ckpt_io.strip_prefixes(saved["model"]), "arch": args.arch, **counters,
              "num_classes": num_classes, "variant": args.variant,
              "world_size": info.world_size, "args": args_to_plain(args),
              "torch_version": str(torch.__version__)}
     if resume:
-        state |= {"optimizer": ckpt_io.optimizer_state(technique.optimizer, model),
-                  "scheduler": scheduler.state_dict(),
-                  "scaler": (technique.scaler.state_dict() if technique.scaler is not None
-                             else None),
+        state |= {"optimizer": saved["optimizer"], "scheduler": saved["scheduler"],
+                  "scaler": saved.get("scaler"),
                   "rng": {"torch": torch.get_rng_state(),
                           "cuda": (torch.cuda.get_rng_state(device)
                                    if device.type == "cuda" else None)}}

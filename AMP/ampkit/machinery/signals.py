@@ -60,7 +60,7 @@ class StopSignals:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.stop.request(name)
         self.say(f"\n{name} received: stopping after this optimizer step (several processes: "
-                 "all of them, after the next), then saving")
+                 "all of them, after the next)")
 
     def install(self) -> None:
         for sig in SIGNALS:

@@ -51,16 +51,25 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from torch.utils.flop_counter import FlopCounterMode
+from torchvision import transforms
 
 import torch.distributed as dist
 
-from ..distributed import DistInfo, StopVote, elastic_store, synchronize, torchrun_env
-from ..engine import Parts, train_one_epoch
-from ..models import build_model
-from ..precision import SkippedSteps, compile_in_place
-from .memory import memory_kind, peak_memory_mb, reset_peak_memory
-from .profiler import StepProfiler
-from .signals import StopFlag
+from ampkit.distributed import StopVote, elastic_store, torchrun_env
+from ampkit.machinery.ranks import DistInfo, synchronize
+from ampkit.engine import Parts, train_one_epoch
+from ampkit.machinery.data import train_loader
+from ampkit.machinery.datasets import CIFAR10, build_datasets
+from ampkit.machinery.fastdata import fast_loaders
+from ampkit.machinery.memory import memory_kind, peak_memory_mb, reset_peak_memory
+from ampkit.machinery.profiler import StepProfiler
+from ampkit.machinery.signals import StopFlag
+from ampkit.models import build_model
+from ampkit.precision import SkippedSteps, compile_in_place
+
 from .variants import DISTRIBUTED, TRAIN_VARIANTS
 
 KINDS = ("article", "classic", "fast")
@@ -107,8 +116,6 @@ class StepResult:
 
 def count_step_flops(model: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> int:
     """FLOPs of one forward + backward, counted by ``torch.utils.flop_counter``."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     model.train()
     counter = FlopCounterMode(display=False)
     with counter:
@@ -253,8 +260,6 @@ def _built(variant: str, res: StepResult, device: torch.device, num_classes: int
 def _all_reduce_every_micro_batch() -> Iterator[None]:
     """DDP's ``no_sync`` made a no-op: with --accum_steps, what the all-reduce of every
     micro-batch costs (for measuring only)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     real = DistributedDataParallel.no_sync
     DistributedDataParallel.no_sync = lambda self: contextlib.nullcontext()
     try:
@@ -363,22 +368,15 @@ def cifar_root(root: Optional[Path], n: int) -> Iterator[Path]:
 def _pipeline(kind: str, root: Path, img_size: int, batch_size: int, num_workers: int,
               info: DistInfo, channels_last: bool):
     if kind == "article":
-        from torch.utils.data import DataLoader
-        from torchvision import transforms
-
-        from .datasets import CIFAR10
         # torchvision's CIFAR10 apart from its md5 check at construction (generated data
         # would fail it); images are read and transformed exactly as torchvision does.
         tf = transforms.Compose([transforms.Resize(img_size), transforms.ToTensor()])
         dataset = CIFAR10(str(root), train=True, transform=tf, download=False)
         return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=0)
     if kind == "classic":
-        from .data import train_loader
-        from .datasets import build_datasets
         data = build_datasets("CIFAR10", root, img_size, info)
         return train_loader(data.train, batch_size, num_workers, info, seed=0)
     if kind == "fast":
-        from .fastdata import fast_loaders
         return fast_loaders("CIFAR10", root, img_size, batch_size, info,
                             channels_last=channels_last)[0].loader()
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
