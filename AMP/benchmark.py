@@ -38,11 +38,13 @@ from ampkit.machinery.archs import check_arch_flags
 from ampkit.machinery.config import AMP_DTYPES, DATA_DIR, Parser
 from ampkit.machinery.data import default_workers
 from ampkit.machinery.errors import UserError
+from ampkit.machinery.flops import fp32_peak_math, peak_tflops
 from ampkit.precision import cpu_has_fast_bf16, set_tf32
 from tools import measure
 from tools.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
 
 PIPELINES = {"all": ["article", "classic", "fast"], "both": ["classic", "fast"],
+             "no_classic": ["article", "fast"],  # a machine whose /dev/shm holds no worker
              "article": ["article"], "classic": ["classic"], "fast": ["fast"], "none": []}
 
 
@@ -67,11 +69,11 @@ def build_parser() -> Parser:
     p.add_argument("--num_classes", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--peak_tflops", type=float, default=None,
-                   help="peak dense fp16/bf16 TFLOP/s of ONE device (the datasheet's), for the "
-                        "utilisation of the autocast variants")
+                   help="peak dense fp16/bf16 TFLOP/s of ONE device, for the utilisation of "
+                        "the autocast variants. Default: by GPU name (ampkit/machinery/flops.py)")
     p.add_argument("--peak_tflops_fp32", type=float, default=None,
                    help="peak TFLOP/s of ONE device for the fp32 variants: the TF32 figure "
-                        "with --tf32, the fp32 one with --no-tf32")
+                        "unless --no-tf32, then the fp32 one. Default: by GPU name")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA fp32 math, as in training: TF32 (--tf32) or full fp32 "
                         "(--no-tf32). Default: PyTorch's, TF32 convolutions and fp32 matmuls")
@@ -157,8 +159,23 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def peaks(args: argparse.Namespace, device, fp32_math: str) -> tuple:
+    """(the fp16/bf16 peak, the fp32 rows' peak) of one device: the flags', else the table's
+    for this GPU (said once where it has none: no utilisation, never a guess)."""
+    half, full = args.peak_tflops, args.peak_tflops_fp32
+    if device.type == "cuda" and (half is None or full is None):
+        name = torch.cuda.get_device_name(device)
+        half = half if half is not None else peak_tflops(name, "half")
+        full = full if full is not None else peak_tflops(name, fp32_peak_math(fp32_math))
+        if half is None or full is None:
+            print(f"note: no peak TFLOP/s known for {name} (ampkit/machinery/flops.py): no "
+                  "utilisation without --peak_tflops and --peak_tflops_fp32", flush=True)
+    return half, full
+
+
 def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
     """One StepResult per variant; a variant that fails is reported and the others run."""
+    peak_half, peak_fp32 = peaks(args, device, fp32_math)
     results = []
     ddp = measure.DDPGroup(device.type == "cuda")
     if args.world_size > 1:
@@ -170,8 +187,7 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
                     variant, device=device, batch_size=args.batch_size, img_size=args.img_size,
                     warmup=args.warmup, steps=args.steps, amp_dtype=args.amp_dtype,
                     num_classes=args.num_classes, lr=args.lr, arch=args.arch,
-                    peak_tflops=args.peak_tflops,
-                    peak_tflops_fp32=args.peak_tflops_fp32, fp32_math=fp32_math, ddp=ddp,
+                    peak_tflops=peak_half, peak_tflops_fp32=peak_fp32, fp32_math=fp32_math, ddp=ddp,
                     channels_last=args.channels_last, compile=args.compile,
                     dp_scope=args.dp_scope, accum_steps=args.accum_steps,
                     keep_sync=args.keep_sync,
@@ -192,6 +208,7 @@ def measure_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
                 torch.cuda.empty_cache()
     finally:
         ddp.close()
+    measure.add_speedups(results)
     return results
 
 
@@ -229,8 +246,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("\nTraining step (synthetic batches on the device; warm-up excluded; "
               f"timer: {'CUDA events' if device.type == 'cuda' else 'perf_counter'}):")
         print(measure.step_table(steps))
-        if args.peak_tflops is None or args.peak_tflops_fp32 is None:
-            print("(util: give --peak_tflops and --peak_tflops_fp32, one device's peaks)")
+        print("(x fp32: images/s over the fp32 row of the same parallel mode; util: of the "
+              "precision's dense peak x devices)")
     if pipes:
         print(f"\nInput pipeline alone (images/s delivered to {device.type} at {args.img_size}px; "
               f"best of {args.repeat}, {args.pipeline_batches} timed batches after "

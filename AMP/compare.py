@@ -1,6 +1,7 @@
 """Run the training variants side by side and report time, throughput, memory and accuracy.
 
     python AMP/compare.py --epochs 20                          # all nine variants (the article's table)
+    python AMP/compare.py --epochs 20 --seeds 3                # each 3 times: mean, spread, verdict
     python AMP/compare.py --variants train_without,train_DDP_autocast --epochs 2
     python AMP/compare.py --dataset ImageFolder --dataset_root data/flowers --img_size 64 --epochs 2
 
@@ -27,8 +28,15 @@ time as its wall time). In TensorBoard's Scalars or Time Series tab, filter on
 training time. The figure of ``results.png`` is the image ``compare/results`` of the run
 ``compare-<time>``.
 
-A variant that fails is reported as failed with a one-line reason and the others
-still run; the exit status is then 1. For steady-state step throughput without data
+With ``--seeds N`` every variant is trained N times, with seeds ``--seed``, ``--seed`` + 1,
+...: results.csv keeps one row per run, and the table gives each variant's mean and spread
+over its runs, its test accuracy's difference from the fp32 variant of its parallel mode,
+and whether that difference is within seed noise (Welch's t-test at 5 %, ``tools/stats.py``);
+the figure draws each variant's band over its seeds. Each seed's runs write under
+``seed<k>/`` of the checkpoint and TensorBoard folders.
+
+A run that fails is reported as failed with a one-line reason and the others still run;
+the table counts the runs that finished, and the exit status is then 1. For steady-state step throughput without data
 loading, see ``AMP/benchmark.py``.
 """
 from __future__ import annotations
@@ -50,7 +58,7 @@ from ampkit.machinery.archs import check_arch_flags
 from ampkit.machinery.config import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
                                      train_parser)
 from ampkit.machinery.errors import UserError
-from tools import report, runner
+from tools import report, runner, stats
 from tools.report import FAILED, INTERRUPTED, NOT_RUN, OK, VariantResult
 from tools.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS, eval_name
 
@@ -87,6 +95,10 @@ def build_parser() -> Parser:
                         "bfloat16 on the CPU)")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
                    help="log every run to TensorBoard under <tensorboard_root>/compare-<time>/")
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="runs per variant, with seeds --seed, --seed + 1, ...: the table gives "
+                        "each variant's mean and spread, and whether its accuracy differs "
+                        "from its fp32 baseline by more than seed noise")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes of the DDP variants (default: the number of GPUs, or 2 "
                         "without CUDA)")
@@ -122,6 +134,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         check_arch_flags(args.arch, args.img_size)
     except UserError as e:
         p.error(str(e))
+    if args.seeds <= 0:
+        p.error(f"--seeds must be a positive integer (runs per variant), got {args.seeds}")
     if args.nproc is not None and args.nproc <= 0:
         p.error("--nproc must be a positive integer")
     extra = {}
@@ -210,15 +224,25 @@ class Comparison:
             cmd += ["--num_workers", str(a.num_workers)]
         return cmd
 
-    def train_cmd(self, variant: str) -> List[str]:
+    def under(self, root: Path, seed: int) -> Path:
+        """Where a run of ``seed`` writes under ``root``: ``root`` itself with one seed, its
+        ``seed<k>/`` with several."""
+        return root if self.args.seeds == 1 else root / f"seed{seed}"
+
+    def run_name(self, variant: str, seed: int) -> str:
+        return variant if self.args.seeds == 1 else f"{variant}.seed{seed}"
+
+    def train_cmd(self, variant: str, seed: Optional[int] = None) -> List[str]:
         a = self.args
+        seed = a.seed if seed is None else seed
         parallel, precision = TRAIN_VARIANTS[variant]
         cmd = self._launcher(parallel, variant) + self._common() + [
-            "--epochs", str(a.epochs), "--lr", repr(a.lr), "--seed", str(a.seed),
-            "--checkpoint", str(self.ckpt_dir)]
+            "--epochs", str(a.epochs), "--lr", repr(a.lr), "--seed", str(seed),
+            "--checkpoint", str(self.under(self.ckpt_dir, seed))]
         if a.amp_dtype is not None:
             cmd += ["--amp_dtype", a.amp_dtype]
-        cmd += ["--tensorboard_log", str(self.tb_dir)] if a.tensorboard else ["--no-tensorboard"]
+        cmd += (["--tensorboard_log", str(self.under(self.tb_dir, seed))] if a.tensorboard
+                else ["--no-tensorboard"])
         return cmd + a.extra.get(None, []) + a.extra.get(variant, [])
 
     def eval_cmd(self, variant: str, checkpoint: Path) -> List[str]:
@@ -234,25 +258,34 @@ class Comparison:
         return 1
 
     # -- one variant ----------------------------------------------------------
-    def run_variant(self, variant: str, index: int, count: int) -> VariantResult:
+    def result(self, variant: str, seed: int, status: str = NOT_RUN) -> VariantResult:
         parallel, precision = TRAIN_VARIANTS[variant]
-        r = VariantResult(variant=variant, parallel=parallel, precision=precision,
-                          amp_dtype="" if precision == "fp32" else self.amp_dtype,
-                          device=self.device, devices=self.devices(parallel))
-        run_dir = self.ckpt_dir / variant
-        cmd = self.train_cmd(variant)
+        return VariantResult(variant=variant, parallel=parallel, precision=precision,
+                             amp_dtype="" if precision == "fp32" else self.amp_dtype,
+                             device=self.device, devices=self.devices(parallel), seed=seed,
+                             status=status)
+
+    def run_variant(self, variant: str, index: int, count: int,
+                    seed: Optional[int] = None) -> VariantResult:
+        seed = self.args.seed if seed is None else seed
+        r = self.result(variant, seed)
+        parallel, precision = r.parallel, r.precision
+        run_dir, name = self.under(self.ckpt_dir, seed) / variant, self.run_name(variant, seed)
+        cmd = self.train_cmd(variant, seed)
         where = (f"{r.devices} {self.device} processes" if parallel in DISTRIBUTED
                  else f"{r.devices} {self.device}")
         print(f"\n==> [{index}/{count}] {variant} ({parallel}, {precision}"
-              f"{', ' + r.amp_dtype if r.amp_dtype else ''}) on {where}", flush=True)
+              f"{', ' + r.amp_dtype if r.amp_dtype else ''}) on {where}"
+              + (f", seed {seed}" if self.args.seeds > 1 else ""), flush=True)
         print("    " + shlex.join(cmd), flush=True)
-        run = runner.run_child(cmd, self.log_dir / f"{variant}.train.log", env=self.env)
+        run = runner.run_child(cmd, self.log_dir / f"{name}.train.log", env=self.env)
         r.wall_time_s = run.wall_s
         summary = report.summarise_log(report.read_log(run_dir / "log.jsonl"))
         r.epochs = summary["epochs"]
         r.train_time_s = summary["train_time_s"]
         r.images_per_s = summary["images_per_s"]
         r.best_val_acc = summary["best_val_acc"]
+        r.tflops, r.utilisation = summary["tflops"], summary["utilisation"]
         if summary["peak_mem_mb"] is not None:
             r.peak_mem_mb, r.peak_mem_source = summary["peak_mem_mb"], "log"
             r.peak_mem_per_rank = summary["peak_mem_per_rank"]
@@ -274,7 +307,7 @@ class Comparison:
         cmd = self.eval_cmd(variant, last)
         print(f"==> [{index}/{count}] {variant}: {eval_name(parallel)} on its last.pth", flush=True)
         print("    " + shlex.join(cmd), flush=True)
-        ev = runner.run_child(cmd, self.log_dir / f"{variant}.eval.log", env=self.env)
+        ev = runner.run_child(cmd, self.log_dir / f"{name}.eval.log", env=self.env)
         if ev.interrupted:
             r.status, r.reason = INTERRUPTED, "interrupted by the user (during eval)"
             return r
@@ -290,45 +323,65 @@ class Comparison:
         return r
 
 
-def write_results(comp: Comparison, results: List[VariantResult], plot: bool = True) -> str:
-    """results.csv and results.md (and with ``plot`` results.png and the TensorBoard
-    curves) of the variants run so far; the Markdown table."""
+def _preamble(comp: Comparison, machine: str) -> List[str]:
     a = comp.args
     command = shlex.join(["python", os.path.relpath(__file__)] + sys.argv[1:]) \
         if sys.argv and sys.argv[0].endswith("compare.py") else "(from Python)"
-    machine = (f"{comp.gpus} x {_gpu_name()}" if comp.cuda
-               else f"CPU: {_cpu_name()}, {os.cpu_count()} cores")
-    preamble = [
+    seeds = f"seed {a.seed}" if a.seeds == 1 else f"seeds {a.seed} to {a.seed + a.seeds - 1}"
+    return [
         f"Command: `{command}`",
         "",
         f"- Machine: {machine}; torch {comp.torch_version}, Python {platform.python_version()}",
         f"- Data: {a.dataset} ({_short(a.dataset_root)}) at {a.img_size}px; {a.epochs} epochs, batch "
-        f"{a.batch_size} (per process under DDP), AdamW lr {a.lr:g}, seed {a.seed}",
+        f"{a.batch_size} (per process under DDP), AdamW lr {a.lr:g}, {seeds}",
         f"- Run: {time.strftime('%Y-%m-%d %H:%M')}; DDP variants: {comp.nproc} processes",
     ]
-    notes = [
-        "Columns: *total wall time* is the training command from start to exit (process "
-        "start-up, data loading, validation and checkpoint writes included); *training time* "
-        "is the sum of the training loops alone (`train_time` in log.jsonl, device "
-        "synchronised, no validation); *images/s* is the median over the epochs after the "
-        "first (the only epoch's when there is one), all devices together; *peak memory* is "
-        "`peak_mem_mb` from log.jsonl (rank 0: `torch.cuda.max_memory_allocated` on a GPU, "
-        "max RSS on the CPU), or, marked (RSS), the peak resident memory of the largest "
-        "process of the command measured by compare.py; *test acc* is what the variant's "
-        "eval script prints for its last.pth.",
-    ]
+
+
+NOTES = [
+    "Columns: *total wall time* is the training command from start to exit (process "
+    "start-up, data loading, validation and checkpoint writes included); *training time* "
+    "is the sum of the training loops alone (`train_time` in log.jsonl, device "
+    "synchronised, no validation); *images/s* is the median over the epochs after the "
+    "first (the only epoch's when there is one), all devices together; *peak memory* is "
+    "`peak_mem_mb` from log.jsonl (rank 0: `torch.cuda.max_memory_allocated` on a GPU, "
+    "max RSS on the CPU), or, marked (RSS), the peak resident memory of the largest "
+    "process of the command measured by compare.py; *TFLOP/s* is what the training loops "
+    "achieved (the FLOPs of a forward and backward per image x images / training time), "
+    "with its share of the devices' dense peak where that is known; *test acc* is what the "
+    "variant's eval script prints for its last.pth.",
+]
+
+
+def write_results(comp: Comparison, results: List[VariantResult], plot: bool = True) -> str:
+    """results.csv and results.md (and with ``plot`` results.png and the TensorBoard
+    curves) of the runs so far; the Markdown text."""
+    a = comp.args
+    machine = (f"{comp.gpus} x {_gpu_name()}" if comp.cuda
+               else f"CPU: {_cpu_name()}, {os.cpu_count()} cores")
+    summaries = stats.summarise_seeds(results) if a.seeds > 1 else None
+    summary = ("" if summaries is None else
+               f"Over {a.seeds} seeds:\n\n{stats.seed_table(summaries)}\n\n{stats.RULE}\n\n"
+               "Every run:\n")
     report.write_csv(results, comp.dir / "results.csv")
-    text = report.write_markdown(results, comp.dir / "results.md",
-                                 title="AlexNet AMP comparison", preamble=preamble, notes=notes)
+    text = report.write_markdown(results, comp.dir / "results.md", title="AlexNet AMP comparison",
+                                 preamble=_preamble(comp, machine), notes=NOTES, summary=summary,
+                                 show_seed=summaries is not None)
     if not plot:
         return text
-    curves = {r.variant: report.accuracy_curve(
-        report.read_log(comp.ckpt_dir / r.variant / "log.jsonl")) for r in results}
+    curves = {comp.under(Path(), r.seed) / r.variant: report.accuracy_curve(
+        report.read_log(comp.under(comp.ckpt_dir, r.seed) / r.variant / "log.jsonl"))
+        for r in results}
+    bars, bands = results, None
+    if summaries is not None:  # one bar and one band per variant, over its seeds
+        bars = [stats.mean_result(s) for s in summaries]
+        bands = {s.first.variant: stats.band([curves[comp.under(Path(), r.seed) / r.variant]
+                                              for r in s.finished]) for s in summaries}
     figure = None
     try:
         figure = report.plot_results(
-            results, comp.dir / "results.png", curves=curves,
-            title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
+            bars, comp.dir / "results.png", curves={str(k): v for k, v in curves.items()},
+            bands=bands, title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
     except Exception as e:  # a plot must not cost the user the table
         print(f"compare.py: warning: results.png not written ({e})", file=sys.stderr)
     if a.tensorboard:
@@ -377,36 +430,39 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UserError as e:
         print(f"compare.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"compare.py: {len(args.variant_list)} variant(s) on {comp.device}; results in "
-          f"{comp.dir}", flush=True)
+    runs = [(seed, v) for seed in range(args.seed, args.seed + args.seeds)
+            for v in args.variant_list]  # seed after seed: a machine's drift is every variant's
+    print(f"compare.py: {len(args.variant_list)} variant(s)"
+          + (f" x {args.seeds} seeds" if args.seeds > 1 else "")
+          + f" on {comp.device}; results in {comp.dir}", flush=True)
     results: List[VariantResult] = []
     interrupted = False
-    for i, variant in enumerate(args.variant_list, 1):
+    for i, (seed, variant) in enumerate(runs, 1):
         if interrupted:
-            parallel, precision = TRAIN_VARIANTS[variant]
-            results.append(VariantResult(variant=variant, parallel=parallel, precision=precision,
-                                         amp_dtype="" if precision == "fp32" else comp.amp_dtype,
-                                         device=comp.device, devices=comp.devices(parallel),
-                                         status=NOT_RUN))
+            results.append(comp.result(variant, seed))
             continue
-        r = comp.run_variant(variant, i, len(args.variant_list))
+        r = comp.run_variant(variant, i, len(runs), seed)
         results.append(r)
         if r.status == INTERRUPTED:
             interrupted = True
         elif r.status != OK:
-            print(f"==> {variant} FAILED: {r.reason}", flush=True)
-        write_results(comp, results, plot=False)  # after every variant: a long comparison keeps what it has
+            print(f"==> {comp.run_name(variant, seed)} FAILED: {r.reason}", flush=True)
+        write_results(comp, results, plot=False)  # after every run: a long comparison keeps what it has
 
     write_results(comp, results)
-    print("\n" + report.markdown_table(results))
+    if args.seeds > 1:
+        print(f"\nOver {args.seeds} seeds:\n\n{stats.seed_table(stats.summarise_seeds(results))}"
+              f"\n\n{stats.RULE}\n\nEvery run: {comp.dir / 'results.md'}")
+    else:
+        print("\n" + report.markdown_table(results))
     print(f"\nresults: {comp.dir / 'results.csv'}, results.md, results.png")
     if args.tensorboard:
         print(f"TensorBoard: this comparison's runs are under {comp.tb_dir}/<variant>/; to see "
               f"every variant in one view: tensorboard --logdir {_short(args.tensorboard_root)} "
               f"(accuracy vs training time: {TB_ACCURACY})")
-    failed = [r.variant for r in results if r.status == FAILED]
+    failed = [comp.run_name(r.variant, r.seed) for r in results if r.status == FAILED]
     if failed:
-        print(f"{len(failed)} of {len(results)} variant(s) failed: {', '.join(failed)}", flush=True)
+        print(f"{len(failed)} of {len(results)} run(s) failed: {', '.join(failed)}", flush=True)
     if interrupted:
         return 130
     return 1 if failed else 0

@@ -4,16 +4,12 @@
     torchrun --nproc_per_node=2 AMP/eval_DDP.py --checkpoint checkpoint/train_DP_autocast/best.pth
     python AMP/eval_DDP.py                                       # one process
 
-The process group is set up and torn down as in the DDP train scripts (see train_DDP.py):
-torchrun's RANK, LOCAL_RANK and WORLD_SIZE, set_device, init_process_group, and
-destroy_process_group at the end. Each process counts the correct predictions on its shard
-of the test split, then one all_reduce sums the counts. The shards are disjoint and cover
-every image once, so the result is exactly eval_without's for any number of processes.
-
-What the article got wrong: it evaluated with a DistributedSampler, which pads the shards
-with repeated images so that all are the same length (some images counted twice), and
-divided each process's own count by the size of the whole test set. No DDP wrapper is
-needed: there are no gradients to synchronise, only the counts. `--help` lists the flags.
+The process group is the DDP train scripts' (train_DDP.py). Each process counts the correct
+predictions on its shard of the test split, one all_reduce sums the counts: the shards are
+disjoint and cover every image once, so the result is eval_without's for any number of
+processes. The article evaluated with a DistributedSampler, which pads the shards with
+repeated images (counted twice), and divided each process's own count by the whole test
+set. No DDP wrapper is needed: there are no gradients to synchronise.
 """
 import torch
 import torch.distributed as dist

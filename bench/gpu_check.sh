@@ -1,37 +1,40 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: the GPU figures of the README, then every CUDA path of the
-# scripts, briefly: torchrun (NCCL) for DDP and FSDP2 (with gradient accumulation and
-# clipping), DataParallel with GradScaler, SIGTERM and --resume, --tf32/--no-tf32,
-# --compile, the three eval scripts, and the CUDA tests.
+# One call on a GPU machine: the GPU figures of docs/results.md, then every CUDA path of
+# the scripts, briefly: torchrun (NCCL) for DDP and FSDP2 (with gradient accumulation and
+# clipping), DataParallel with GradScaler, SIGTERM and --resume, --compile, the eval
+# scripts, and the CUDA tests.
 #   bash bench/gpu_check.sh              # on the GPU (device tool: timeout_s 600)
-#   bash bench/gpu_check.sh --dry-run    # the same steps on the CPU at toy sizes (~6 min
-#                                        # on 2 cores): checks the script itself before GPU
-#                                        # time is spent
+#   bash bench/gpu_check.sh --dry-run    # the same steps on the CPU at toy sizes: checks the
+#                                        # script before GPU time is spent (4 min 39 s on
+#                                        # this project's 2-core machine, 2026-12-01)
 # $OUT (default ./gpu_out) receives two files, as the device tool brings back at most 8:
 # summary.txt (first the verdict; every step's command, result lines, exit status, or why
 # it was skipped; at the end the figures as markdown tables, each step's status, and the
-# failed steps) and
-# details.tar.gz (each step's whole output, JSON and log.jsonl), repacked after every step.
-# Checkpoints and data sets live outside what is packed and are deleted once the steps
-# that read them are over; any file over 1 MiB stays out of the archive (named in the
-# summary). The exit status is non-zero if any step failed or was skipped, or if $OUT
-# does not fit what the device tool brings back.
-# Steps run in order of importance, each under a timeout capped by what is left of
-# BUDGET seconds (default 500), so a slow step cannot cost the ones after it the call;
-# no process of a step outlives it (bench/steps.sh).
-#   1. step benchmark at 227, batch 256: fp32 / fp16 / fp16+GradScaler (NCHW, channels_last),
-#      bf16 / bf16+GradScaler (channels_last), DP over the visible GPUs; fp32 without TF32;
-#   2. a real run of the fastest single-device configuration of step 1: 2 epochs of 50,000
+# failed steps) and details.tar.gz (each step's whole output, JSON and log.jsonl), repacked
+# after every step. Checkpoints and data sets live outside what is packed and are deleted
+# once the steps that read them are over; any file over 1 MiB stays out of the archive
+# (named in the summary). The exit status is non-zero if any step failed or was skipped,
+# or if $OUT does not fit what the device tool brings back.
+# Steps run in the order of what a try must bring back, each under a timeout capped by
+# what is left of BUDGET seconds (default 500), so a slow step cannot cost the ones
+# before it; no process of a step outlives it (bench/steps.sh); the header's commands
+# have timeouts too.
+#   1. the step benchmark at 227, batch 256, every row with its speed-up over the fp32 row
+#      of its parallel mode and its share of the GPU's peak (by name, machinery/flops.py):
+#      single device, DataParallel, DDP and FSDP2 (one-process NCCL groups) in fp32 /
+#      fp16 / fp16 + GradScaler; channels_last; bf16; fp32 without TF32;
+#   2. pytest -m cuda (the only step that asserts);
+#   3. a real run of the fastest single-device configuration of step 1: 2 epochs of 50,000
 #      generated (learnable) CIFAR-format images at 227, fast input path;
-#   3. short runs (1 epoch of 2,560 generated images at 128, batch 64): DDP + GradScaler
-#      under torchrun (one process: the machine's one GPU) then eval_DDP under torchrun on
-#      its checkpoint; FSDP2 + GradScaler under torchrun, resumed to epoch 2 (optimizer
-#      shards, scaler, CUDA RNG), then eval_without with and without --autocast on its
-#      gathered checkpoints; FSDP2's MixedPrecisionPolicy; DataParallel + GradScaler,
-#      resumed, then eval_DP with and without --autocast; fp32 with --tf32 and --no-tf32;
-#   4. the input pipeline alone (article PIL path, classic DataLoader with workers, fast);
-#   5. train_autocast --compile --tf32 (227, batch 256, 10 steps);  6. pytest -m cuda;
-#   7. torch.compile benchmark of the fastest configuration.
+#   4. short runs (1 epoch of 2,560 generated images at 128, batch 64): DDP + GradScaler
+#      under torchrun with accumulation and clipping, then eval_DDP --autocast on its
+#      checkpoint; FSDP2 + GradScaler, resumed to epoch 2, then eval_without on its
+#      gathered checkpoint; FSDP2's MixedPrecisionPolicy; DataParallel + GradScaler, then
+#      eval_DP; SIGTERM mid-run (exit 143), then --resume to the end of that epoch;
+#   5. the input pipeline alone (article PIL path, classic DataLoader with as many workers
+#      as /dev/shm holds, fast);
+#   6. --compile, in training and in the benchmark, in one configuration (the fastest, with
+#      --tf32): the second compiles warm.
 # Uses whatever python3 has torch (the device machine: torch 2.11, no network).
 set -u
 cd "$(dirname "$0")/.."
@@ -46,28 +49,33 @@ DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
 if [ $DRY = 1 ]; then
   # Batches of 2: a bf16 step of AlexNet takes seconds on a CPU without native bf16.
   DEV=--no-cuda; IMG=64; BS=2; STEPS="--steps 2 --warmup 1"; NTRAIN=16; NTEST=4
-  PIPE_B=2; WORKERS=1; PEAK="--peak_tflops 1 --peak_tflops_fp32 1"; PEAK_IEEE=1
+  PIPE_B=2; WORKERS=1; PEAK="--peak_tflops 1 --peak_tflops_fp32 1"
   S_TRAIN=4; S_TEST=2; S_IMG=64; S_BS=2
 else
-  # H200 datasheet, dense: fp16/bf16 989 TFLOP/s, TF32 495, fp32 67.
   DEV=--cuda; IMG=227; BS=256; STEPS="--steps 30 --warmup 10"; NTRAIN=50000; NTEST=10000
-  PIPE_B=30; WORKERS=8; PEAK="--peak_tflops 989 --peak_tflops_fp32 495"; PEAK_IEEE=67
+  PIPE_B=30; WORKERS=8; PEAK=""  # the peaks: by the GPU's name (ampkit/machinery/flops.py)
   S_TRAIN=2560; S_TEST=512; S_IMG=128; S_BS=64  # the short runs: data, image size, batch
 fi
 source bench/steps.sh
 
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true; } | head -3 >> "$OUT/summary.txt"
-python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')" 2>&1 | tee -a "$OUT/summary.txt"
+{ timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 ||
+  echo "nvidia-smi: none, or no answer in 30 s"; } | head -3 >> "$OUT/summary.txt"
+timeout 120 python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')" 2>&1 | tee -a "$OUT/summary.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || log "torch did not answer in 120 s (or failed): the steps below will tell"
 
 B="python3 AMP/benchmark.py $DEV --img_size $IMG --batch_size $BS $STEPS --pipeline none"
-run bench_fp16 90 $B $PEAK --variants train_without,train_autocast,train_GradScaler,train_DP,train_DP_autocast \
-  --json "$WORK/bench_fp16.json"; keep "$WORK/bench_fp16.txt" 12
+run bench_fp16 150 $B $PEAK --variants train_without,train_autocast,train_GradScaler,train_DP,train_DP_autocast,\
+train_DDP,train_DDP_GradScaler,train_FSDP,train_FSDP_GradScaler --json "$WORK/bench_fp16.json"
+keep "$WORK/bench_fp16.txt" 16
 run bench_fp16_cl 60 $B $PEAK --channels_last --variants train_without,train_autocast,train_GradScaler \
   --json "$WORK/bench_fp16_cl.json"; keep "$WORK/bench_fp16_cl.txt" 8
-run bench_bf16_cl 60 $B $PEAK --channels_last --amp_dtype bfloat16 --variants train_autocast,train_GradScaler \
+run bench_bf16_cl 60 $B $PEAK --channels_last --amp_dtype bfloat16 --variants train_without,train_autocast \
   --json "$WORK/bench_bf16_cl.json"; keep "$WORK/bench_bf16_cl.txt" 7
-run bench_fp32_ieee 45 $B --no-tf32 --peak_tflops_fp32 $PEAK_IEEE --channels_last --variants train_without \
+run bench_fp32_ieee 45 $B $PEAK --no-tf32 --channels_last --variants train_without \
   --json "$WORK/bench_fp32_ieee.json"; keep "$WORK/bench_fp32_ieee.txt" 6
+
+run pytest_cuda 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests
+keep "$WORK/pytest_cuda.txt" 15
 
 # The fastest single-device configuration measured above -> its training script's flags
 # (a missing or truncated JSON is skipped; nothing measured: a fixed choice).
@@ -131,10 +139,7 @@ needs "$c/last.pth" fsdp_gs_resume &&
     --epochs 2 --resume --checkpoint "$CK/fsdp_gs"
 keep "$WORK/fsdp_gs_resume.txt" 5
 needs "$c/last.pth" eval_without && run eval_without 45 python3 AMP/eval_without.py $DEV --checkpoint "$c/last.pth"
-keep "$WORK/eval_without.txt" 2
-needs "$c/best.pth" eval_without_autocast &&
-  run eval_without_autocast 45 python3 AMP/eval_without.py $DEV --autocast --checkpoint "$c/best.pth"
-keep "$WORK/eval_without_autocast.txt" 2; drop fsdp_gs
+keep "$WORK/eval_without.txt" 2; drop fsdp_gs
 
 run fsdp_mixed 60 $TORCHRUN AMP/train_FSDP_mixed.py $S --epochs 1 --checkpoint "$CK/fsdp_mixed"
 keep "$WORK/fsdp_mixed.txt" 4; drop fsdp_mixed
@@ -142,45 +147,43 @@ keep "$WORK/fsdp_mixed.txt" 4; drop fsdp_mixed
 c=$CK/dp_gs/train_DP_GradScaler
 run dp_gs 45 python3 AMP/train_DP_GradScaler.py $S --epochs 1 --checkpoint "$CK/dp_gs"
 keep "$WORK/dp_gs.txt" 4
-needs "$c/last.pth" dp_gs_resume &&
-  run dp_gs_resume 45 python3 AMP/train_DP_GradScaler.py $S --epochs 2 --resume --checkpoint "$CK/dp_gs"
-keep "$WORK/dp_gs_resume.txt" 5
 needs "$c/last.pth" eval_dp && run eval_dp 45 python3 AMP/eval_DP.py $DEV --checkpoint "$c/last.pth"
-keep "$WORK/eval_dp.txt" 2
-needs "$c/best.pth" eval_dp_autocast &&
-  run eval_dp_autocast 45 python3 AMP/eval_DP.py $DEV --autocast --checkpoint "$c/best.pth"
-keep "$WORK/eval_dp_autocast.txt" 2; drop dp_gs
+keep "$WORK/eval_dp.txt" 2; drop dp_gs
 
-# SIGTERM once the first epoch is saved (exit 143, last.pth mid-run), then --resume to the end:
-# the stop's save and the restored CUDA RNG state and GradScaler, on the GPU.
+# SIGTERM once the first epoch is saved, in a run of more epochs than the step has time
+# for: the stop must end it (exit 143, last.pth where it stopped); then --resume to the end
+# of the epoch it stopped in: the stop's save, the restored CUDA RNG state and GradScaler.
 c=$CK/sigterm/train_GradScaler
-run sigterm 60 bash -c "python3 AMP/train_GradScaler.py $S --epochs 4 --checkpoint $CK/sigterm & p=\$!; \
+run sigterm 60 bash -c "python3 AMP/train_GradScaler.py $S --epochs 1000 --checkpoint $CK/sigterm & p=\$!; \
   while kill -0 \$p 2>/dev/null && [ ! -f $c/last.pth ]; do sleep 0.2; done; \
   kill -TERM \$p 2>/dev/null; wait \$p; rc=\$?; echo exit status \$rc; [ \$rc -eq 143 ]"
 keep "$WORK/sigterm.txt" 4
 needs "$c/last.pth" sigterm_resume &&
-  run sigterm_resume 60 python3 AMP/train_GradScaler.py $S --epochs 4 --resume --checkpoint "$CK/sigterm"
+  run sigterm_resume 60 bash -c "e=\$(python3 -c \"import torch; print(torch.load('$c/last.pth', \
+weights_only=True, mmap=True)['epoch'] + 1)\") && python3 AMP/train_GradScaler.py $S --epochs \$e --resume \
+--checkpoint $CK/sigterm"
 keep "$WORK/sigterm_resume.txt" 5; drop sigterm
 
-run train_tf32 45 python3 AMP/train_without.py $S --tf32 --epochs 1 --checkpoint "$CK/train_tf32"
-keep "$WORK/train_tf32.txt" 4; drop train_tf32
-run train_no_tf32 45 python3 AMP/train_without.py $S --no-tf32 --epochs 1 --checkpoint "$CK/train_no_tf32"
-keep "$WORK/train_no_tf32.txt" 4; drop train_no_tf32
-
-run pipeline 60 python3 AMP/benchmark.py $DEV --variants none --pipeline all --img_size $IMG \
-  --num_workers $WORKERS --batch_size $BS --pipeline_batches $PIPE_B --json "$WORK/pipeline.json"
+# The classic path's workers each hold 2 batches in /dev/shm (a container's may be small):
+# as many workers as it has room for, none (the classic path skipped, said here) if none fit.
+SHM_MB=$(df -Pm /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}'); SHM_MB=${SHM_MB:-0}
+BATCH_MB=$(( BS * 3 * IMG * IMG * 4 / 1048576 + 1 ))
+W=$(( SHM_MB / (3 * BATCH_MB) )); [ "$W" -gt "$WORKERS" ] && W=$WORKERS
+PIPES=all
+if [ "$W" -lt 1 ]; then
+  PIPES=no_classic; W=0
+  log "pipeline: the classic path skipped: /dev/shm has ${SHM_MB} MB free, and each DataLoader worker keeps 2 batches of ${BATCH_MB} MB there"
+fi
+run pipeline 60 python3 AMP/benchmark.py $DEV --variants none --pipeline $PIPES --img_size $IMG \
+  --num_workers $W --batch_size $BS --pipeline_batches $PIPE_B --json "$WORK/pipeline.json"
 keep "$WORK/pipeline.txt" 8
 
 # torch.compile in training, with the new fp32_precision API set (--tf32): the compiler must
-# not read the legacy TF32 flags then. At the benchmark's size: few, full steps.
-run train_compile 120 python3 AMP/train_autocast.py $DEV --compile --tf32 --channels_last --dataset CIFAR10 \
+# not read the legacy TF32 flags then. Then the benchmark in the same configuration, warm.
+run train_compile 150 python3 AMP/$VARIANT.py $DEV $BEST_FLAGS --compile --tf32 --dataset CIFAR10 \
   --dataset_root "$SCRATCH/small" --img_size $IMG --batch_size $BS --epochs 1 --no-tensorboard --checkpoint "$CK/train_compile"
 keep "$WORK/train_compile.txt" 4; drop train_compile
-
-run pytest_cuda 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests
-keep "$WORK/pytest_cuda.txt" 15
-
-run bench_compile 120 $B $PEAK --compile $BEST_FLAGS --variants $VARIANT \
+run bench_compile 120 $B $PEAK --compile --tf32 $BEST_FLAGS --variants $VARIANT \
   --json "$WORK/bench_compile.json"; keep "$WORK/bench_compile.txt" 5
 
 # The figures as markdown tables, to copy into the README; each step's status.
@@ -207,14 +210,17 @@ if rows:
     print(f"Training step, synthetic batches ({r0['img_size']} px, batch {r0['batch_size']}, "
           f"{r0['warmup']} warm-up + {r0['steps']} timed steps; benchmark.py; {r0['timer']}):\n")
     print("| step | variant | precision | dtype / fp32 math | channels_last | compiled | step ms "
-          "| images/s | peak MB | TFLOP/s | util | status |")
-    print("|---|---|---|---|---|---|--:|--:|--:|--:|--:|---|")
+          "| images/s | x fp32 | peak MB | TFLOP/s | util | status |")
+    print("|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|---|")
     for step, s in rows:
         util = "-" if s.get("utilisation") is None else f"{100 * s['utilisation']:.1f}%"
         print(f"| {step} | {s['variant']} | {s['precision']} | {s['amp_dtype'] or s['fp32_math'] or '-'} "
               f"| {'yes' if s['channels_last'] else 'no'} | {'yes' if s['compiled'] else 'no'} "
-              f"| {f(s['step_ms'], '.1f')} | {f(s['images_per_s'], '.0f')} | {f(s['peak_mem_mb'], '.0f')} "
-              f"| {f(s['achieved_tflops'], '.1f')} | {util} | {s['status']} {s.get('reason') or ''}|")
+              f"| {f(s['step_ms'], '.1f')} | {f(s['images_per_s'], '.0f')} | {f(s.get('speedup'), '.2f')} "
+              f"| {f(s['peak_mem_mb'], '.0f')} | {f(s['achieved_tflops'], '.1f')} | {util} "
+              f"| {s['status']} {s.get('reason') or ''}|")
+    print("\n(x fp32: images/s over the fp32 row of the same parallel mode and settings, in the "
+          "same step; util: of the precision's dense peak)")
 pipes = load(work / "pipeline.json").get("pipeline", [])
 if pipes:
     print(f"\nInput pipeline alone ({pipes[0]['img_size']} px, batch {pipes[0]['batch_size']}):\n")

@@ -402,3 +402,142 @@ def test_benchmark_reads_nothing_back_inside_its_timed_window(monkeypatch):
                                 img_size=32, warmup=0, steps=21, arch="squeezenet1_1")
     assert r.status == "ok" and r.steps == 21
     assert True not in reads, "a host read inside the timed window"
+
+
+def test_benchmark_speedup_is_over_the_fp32_row_of_the_same_parallel_mode():
+    from tools import measure
+
+    def row(variant, parallel, precision, images_per_s, **kw):
+        return measure.StepResult(variant=variant, parallel=parallel, precision=precision,
+                                  amp_dtype="", arch="alexnet", device="cuda", devices=1,
+                                  batch_size=256, img_size=227, warmup=1, steps=2,
+                                  images_per_s=images_per_s, **kw)
+
+    rows = [row("train_without", "single", "fp32", 100.0),
+            row("train_autocast", "single", "autocast", 250.0),
+            row("train_DDP", "ddp", "fp32", 90.0),
+            row("train_DDP_GradScaler", "ddp", "grad_scaler", 270.0),
+            row("train_autocast", "single", "autocast", 400.0, channels_last=True),  # no base
+            row("train_GradScaler", "single", "grad_scaler", 0.0, status="failed")]
+    measure.add_speedups(rows)
+    assert [r.speedup for r in rows] == [1.0, 2.5, 1.0, 3.0, None, None]
+    table = measure.step_table(rows)
+    assert "x fp32" in table.splitlines()[0] and " 2.50 " in table and " 3.00 " in table
+
+
+def test_peaks_by_gpu_name_and_none_for_an_unknown_one():
+    from ampkit.machinery.flops import fp32_peak_math, peak_tflops
+
+    assert peak_tflops("NVIDIA H200", "half") == 989 and peak_tflops("NVIDIA H200", "tf32") == 495
+    assert peak_tflops("NVIDIA H200 NVL", "half") == 835  # not the SXM's
+    assert peak_tflops("NVIDIA H100 PCIe", "fp32") == 51
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "half") == 989
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "tf32") == 156
+    assert peak_tflops("NVIDIA GeForce RTX 4090", "half") == 165
+    assert peak_tflops("NVIDIA L40S", "fp32") == 91.6
+    assert peak_tflops("Tesla T4", "half") is None
+    assert fp32_peak_math("fp32") == "fp32" and fp32_peak_math("tf32 conv, fp32 matmul") == "tf32"
+
+
+# ------------------------------------------------------------------ --seeds: the statistics
+def test_welch_p_values_are_students():
+    """Against the t table: two-sided 5 % at 1, 2 and 4 degrees of freedom, and the normal
+    limit; a difference of nothing is p = 1."""
+    from tools.stats import t_two_sided_p, welch
+
+    for t, df in [(12.7062, 1), (4.302653, 2), (2.776445, 4), (1.959964, 1e6)]:
+        assert t_two_sided_p(t, df) == pytest.approx(0.05, abs=2e-5), (t, df)
+    assert t_two_sided_p(0.0, 3) == pytest.approx(1.0)
+    d = welch([0.80, 0.82, 0.81], [0.70, 0.71, 0.69])
+    assert d.diff == pytest.approx(0.11) and d.p < 0.001 and not d.within_noise
+    assert welch([0.80, 0.82, 0.81], [0.81, 0.79, 0.80]).within_noise
+    assert welch([0.8], [0.7, 0.71]) is None  # one run says nothing of noise
+
+
+def _fake_children(monkeypatch, accuracies, fail=()):
+    """compare.py's children, faked: a training command writes the log.jsonl and last.pth a
+    run would, with ``accuracies[(variant, seed)]`` as its final validation accuracy, and
+    an eval command prints it (as c/1000); the (variant, seed) in ``fail`` exit 1."""
+    from tools import runner
+
+    def run_child(cmd, log_path=None, env=None, **kw):
+        seed = int(cmd[cmd.index("--seed") + 1]) if "--seed" in cmd else None
+        script = next(Path(c).stem for c in cmd if c.endswith(".py"))
+        if script.startswith("eval"):
+            ckpt = Path(cmd[cmd.index("--checkpoint") + 1])
+            acc = json.loads((ckpt.parent / "log.jsonl").read_text().splitlines()[-1])["val_acc"]
+            out = f"top-1 accuracy on ImageFolder test split (64px): {round(acc * 1000)}/1000 = {acc:.4f}\n"
+            return runner.ChildRun(0, out, "", 1.0, 100.0)
+        if (script, seed) in fail:
+            return runner.ChildRun(1, "", f"{script}.py: error: boom on seed {seed}\n", 0.5, 50.0)
+        run_dir = Path(cmd[cmd.index("--checkpoint") + 1]) / script
+        run_dir.mkdir(parents=True)
+        acc = accuracies[(script, seed)]
+        (run_dir / "log.jsonl").write_text("".join(json.dumps(
+            {"epoch": e, "train_time": 2.0, "images_per_s": 100.0 + seed, "val_acc": acc - 0.1 * (2 - e),
+             "peak_mem_mb": 500.0, "tflops": 0.5}) + "\n" for e in (1, 2)))
+        (run_dir / "last.pth").write_bytes(b"")
+        return runner.ChildRun(0, "", "", 10.0 + seed, 500.0)
+
+    monkeypatch.setattr(runner, "run_child", run_child)
+
+
+def test_seeds_give_every_run_a_row_and_each_variant_its_spread_and_verdict(
+        tmp_path, monkeypatch, capsys):
+    """3 seeds of 3 variants: train_autocast beats train_without by 10 points on every
+    seed (beyond noise), train_GradScaler by a point up and down (within noise) and its
+    seed 1 fails: the table counts its 2 finished runs, the exit status is 1."""
+    import compare
+
+    accs = {("train_without", s): a for s, a in enumerate([0.70, 0.72, 0.71])}
+    accs |= {("train_autocast", s): a for s, a in enumerate([0.81, 0.82, 0.80])}
+    accs |= {("train_GradScaler", s): a for s, a in enumerate([0.72, 0.0, 0.70])}
+    _fake_children(monkeypatch, accs, fail={("train_GradScaler", 1)})
+    code = compare.main(["--variants", "train_without,train_autocast,train_GradScaler",
+                         "--seeds", "3", "--no-cuda", "--epochs", "2", "--no-tensorboard",
+                         "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1
+    (run,) = tmp_path.iterdir()
+    rows = list(csv.DictReader(open(run / "results.csv", newline="")))
+    assert [(r["variant"], r["seed"]) for r in rows] == [
+        (v, str(s)) for s in range(3) for v in ("train_without", "train_autocast",
+                                                 "train_GradScaler")]
+    assert {r["status"] for r in rows if (r["variant"], r["seed"]) != ("train_GradScaler", "1")} \
+        == {"ok"}
+    table = out[out.index("Over 3 seeds:"):]
+    line = {v: next(ln for ln in table.splitlines() if ln.startswith(f"| {v} |"))
+            for v in ("train_without", "train_autocast", "train_GradScaler")}
+    assert "(the baseline)" in line["train_without"] and "3/3" in line["train_without"]
+    assert "+0.1000 ±" in line["train_autocast"] and "beyond seed noise" in line["train_autocast"]
+    assert "2/3 (seed 1 failed)" in line["train_GradScaler"]
+    assert "within seed noise" in line["train_GradScaler"]
+    assert "0.7100 ± 0.0141 (0.7000–0.7200)" in line["train_GradScaler"]  # seeds 0 and 2 only
+    assert "Welch's t-test" in out and "Welch's t-test" in (run / "results.md").read_text()
+    for seed in range(3):
+        assert (run / "checkpoint" / f"seed{seed}" / "train_without" / "log.jsonl").is_file()
+    assert (run / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_one_seed_keeps_todays_table_and_folders(tmp_path, monkeypatch, capsys):
+    import compare
+
+    _fake_children(monkeypatch, {("train_without", 0): 0.7, ("train_autocast", 0): 0.8})
+    assert compare.main(["--variants", "train_without,train_autocast", "--no-cuda",
+                         "--no-tensorboard", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    (run,) = tmp_path.iterdir()
+    assert (run / "checkpoint" / "train_without" / "log.jsonl").is_file()
+    assert "verdict" not in out and "seed" not in (run / "results.md").read_text().split(
+        "| variant")[1].splitlines()[0]
+    assert "| train_autocast |" in out
+
+
+@pytest.mark.parametrize("seeds", ["0", "-2"])
+def test_seeds_below_one_are_one_line(seeds, capsys):
+    import compare
+
+    with pytest.raises(SystemExit) as e:
+        compare.parse_args(["--seeds", seeds])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--seeds must be a positive integer" in err[0]

@@ -132,3 +132,67 @@ def test_several_processes_without_a_distributed_sampler_are_refused():
     assert len(one_process_sampler(10, 0)) == 10
     with pytest.raises(UserError, match="DistributedSampler"):
         one_process_sampler(10, 0, world_size=2)
+
+
+def test_a_log_file_gets_a_few_progress_lines_not_one_per_step(imagefolder_root, tmp_path):
+    """Where stderr is not a terminal (a log file, SLURM, compare.py's children), the bars
+    redraw at most every LOG_REDRAW_S seconds: 48 images in batches of 2 are 24 steps an
+    epoch and 11 validation batches, and the log holds a handful of redraws, not 35."""
+    from conftest import FAST_ARCH, run_main, tiny_args
+
+    res = run_main("train_without", *tiny_args(tmp_path, imagefolder_root, batch_size=2),
+                   "--arch", FAST_ARCH)
+    assert res.returncode == 0, res.describe()
+    assert res.raw_stderr.count("\r") <= 8, res.raw_stderr.count("\r")
+
+
+def test_each_epoch_reports_its_achieved_tflops_and_share_of_the_peak(imagefolder_root,
+                                                                     tmp_path):
+    """TFLOP/s = the images trained x one image's forward and backward FLOPs (counted here
+    on its own) / the training loop's seconds; with --peak_tflops, its share of the peak;
+    on the CPU without it, no share at all."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ampkit.models import build_model
+    from conftest import FAST_ARCH, run_main, tiny_args
+
+    torch.manual_seed(0)
+    model = build_model(FAST_ARCH, 3)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 64, 64)),
+                                          torch.zeros(4, dtype=torch.long)).backward()
+    per_image = counter.get_total_flops() / 4
+    for peak in ("2", None):
+        folder = tmp_path / str(peak)
+        res = run_main("train_without", *tiny_args(folder, imagefolder_root), "--arch", FAST_ARCH,
+                       *(["--peak_tflops", peak] if peak else []))
+        assert res.returncode == 0, res.describe()
+        row = json.loads((folder / "checkpoint" / "train_without" / "log.jsonl").read_text())
+        assert row["tflops"] == pytest.approx(48 * per_image / row["train_time"] / 1e12, rel=1e-3)
+        epoch_line = next(ln for ln in res.stdout.splitlines() if ln.startswith("epoch 1/1"))
+        summary = next(ln for ln in res.stdout.splitlines() if ln.startswith("done:"))
+        assert "TFLOP/s" in epoch_line and "TFLOP/s" in summary and "on average" in summary
+        if peak:
+            assert row["utilisation"] == pytest.approx(row["tflops"] / 2)
+            assert f"({100 * row['utilisation']:.1f}% of peak)" in epoch_line
+        else:
+            assert row["utilisation"] is None and "of peak" not in res.stdout
+
+
+def test_the_peak_is_the_gpus_by_its_name_and_a_missing_one_is_said(monkeypatch):
+    import torch
+
+    from ampkit.machinery.flops import run_peak
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200 NVL")
+    assert run_peak(None, cuda, torch.float16, "") == (835, "")
+    assert run_peak(None, cuda, None, "fp32") == (60, "")  # --no-tf32: the CUDA cores
+    assert run_peak(None, cuda, None, "tf32 conv, fp32 matmul") == (418, "")
+    assert run_peak(3.0, cuda, None, "fp32") == (3.0, "")  # --peak_tflops wins
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    peak, note = run_peak(None, cuda, torch.float16, "")
+    assert peak is None and "no peak TFLOP/s known for Tesla T4" in note
+    assert run_peak(None, torch.device("cpu"), torch.bfloat16, "") == (None, "")

@@ -307,3 +307,24 @@ def test_cuda_batches_on_the_gpu_without_host_syncs(cifar_root):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert sum(sizes) == train.sampler.num_samples and len(sizes) == len(train) > 2
+
+
+def test_the_digits_are_a_stratified_seeded_imagefolder(tmp_path):
+    """scikit-learn's 1,797 digits as train/ and val/ class folders: a fifth of each digit
+    in val/, the same files each time, RGB images the classic path reads."""
+    pytest.importorskip("sklearn")
+    from PIL import Image
+
+    from tools.digits import write_digits
+
+    root = write_digits(tmp_path / "a")
+    train = {d.name: len(list(d.iterdir())) for d in (root / "train").iterdir()}
+    val = {d.name: len(list(d.iterdir())) for d in (root / "val").iterdir()}
+    assert sorted(train) == sorted(val) == [str(i) for i in range(10)]
+    assert sum(train.values()) + sum(val.values()) == 1797 and sum(val.values()) == 359
+    assert all(abs(val[k] / (val[k] + train[k]) - 0.2) < 0.01 for k in val)
+    again = write_digits(tmp_path / "b")
+    assert sorted(p.relative_to(again) for p in again.rglob("*.png")) == \
+        sorted(p.relative_to(root) for p in root.rglob("*.png"))
+    image = Image.open(next((root / "val" / "3").iterdir()))
+    assert image.mode == "RGB" and image.size == (8, 8)

@@ -4,9 +4,9 @@ Each training variant runs once (lazily, cached for the module) and its outputs 
 shared by the tests below: the smoke test of each script, learning, TensorBoard on or
 off, checkpoint contents, and the eval scripts, which evaluate those checkpoints.
 A one-process script runs in this process, through its ``main(argv)``; train_DDP_GradScaler
-and train_FSDP run under ``torchrun --nproc_per_node=2`` (gloo on the CPU), the other DDP
-and FSDP2 scripts as a group of one, as ``python AMP/train_DDP.py`` starts it, in this
-process too (test_world_size.py runs them at 3 and 4 processes).
+runs under ``torchrun --nproc_per_node=2`` (gloo on the CPU), the other DDP and FSDP2
+scripts as a group of one, as ``python AMP/train_DDP.py`` starts it, in this process too
+(test_world_size.py and test_arch_fsdp.py run them at 2, 3 and 4 processes).
 
 Plan of the training runs (48 train / 21 val ImageFolder images, 64 px, CPU; AlexNet in
 fp32, the autocast variants on conftest.FAST_ARCH, FSDP2's on conftest.FSDP_ARCH):
@@ -56,7 +56,7 @@ PLAN: Dict[str, dict] = {
     "train_DDP_autocast": dict(batch_size=48, arch=FAST_ARCH),
     "train_DDP_GradScaler": dict(batch_size=12, nproc=2, tensorboard=True,  # 2 steps per rank
                                  arch=FAST_ARCH),
-    "train_FSDP": dict(batch_size=24, nproc=2, arch=FSDP_ARCH),
+    "train_FSDP": dict(batch_size=48, arch=FSDP_ARCH),
     "train_FSDP_autocast": dict(batch_size=48, arch=FSDP_ARCH),
     "train_FSDP_GradScaler": dict(batch_size=48, arch=FSDP_ARCH),
     "train_FSDP_mixed": dict(batch_size=6, dataset="mini"),  # a group of one

@@ -20,8 +20,9 @@ from torch import nn
 from tqdm import tqdm
 
 from .distributed import StopVote
-from .machinery.ranks import DistInfo, synchronize
 from .machinery.errors import UserError
+from .machinery.log import progress_bar
+from .machinery.ranks import DistInfo, synchronize
 from .precision import SkippedSteps, resolve_amp_dtype
 
 # One optimizer step over a window of micro-batches [(images, targets), ...] -> (its loss, the
@@ -178,8 +179,8 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
     step, steps_done, stopped_at, data_seconds = start_step, 0, None, 0.0
     total = (start_step + math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__")
              else None)
-    bar = tqdm(total=total, initial=start_step, desc=desc, disable=not info.is_main,
-               leave=False, dynamic_ncols=True, unit="step")
+    bar = progress_bar(total=total, initial=start_step, desc=desc, disable=not info.is_main,
+                       unit="step")
     # The bar is closed before any error message, so it is not drawn over.
     with profiler or contextlib.nullcontext(), bar:  # the bar closes first, then a report
         for window, waited in windows(loader, accum_steps, device, input_format):
@@ -255,8 +256,7 @@ def count_correct(model: nn.Module, loader: Iterable, info: DistInfo,
     if info.distributed:  # one host read per validation
         forwards = int(info.all_reduce_max(torch.tensor(forwards, device=device)).item())
     batches, padding = iter(loader), None
-    for _ in tqdm(range(forwards), desc=desc, disable=not info.is_main, leave=False,
-                  dynamic_ncols=True):
+    for _ in progress_bar(range(forwards), desc=desc, disable=not info.is_main):
         batch = next(batches, None)  # None: this rank's shard has run out
         if batch is None and not info.distributed:
             break

@@ -42,6 +42,7 @@ from .machinery import checkpoint as ckpt_io
 from .machinery.data import build_loaders, report_skipped
 from .machinery.datasets import one_process_sampler
 from .machinery.errors import Interrupted
+from .machinery.flops import achieved, run_peak, training_flops_per_image
 from .machinery.log import RunLogger, epoch_row, header_line, summary_line
 from .machinery.memory import reset_peak_memory
 from .machinery.profiler import StepProfiler
@@ -59,6 +60,40 @@ Checkpoint = Callable[[], dict]  # the script's: {"model": the unwrapped weights
 class EpochBook:
     """The bookkeeping around a script's epoch: the loop's options, validation, when to
     save, the epoch's log row. :class:`Run` sets its attributes."""
+
+    def train_loader(self, sampler: Optional[Sampler[int]] = None):
+        """The training batches in ``sampler``'s order (None: one process's, reshuffled
+        every epoch by :meth:`loop`)."""
+        if sampler is None:
+            sampler = self.own_sampler = one_process_sampler(len(self.train_set),
+                                                             self.args.seed, self.info.world_size)
+        self.loader = self.data.train_loader(sampler)
+        return self.loader
+
+    def start(self, t: Technique, scheduler) -> None:
+        """The script's technique and LR schedule, with a resumed run's states; --compile;
+        the stop vote and signal handlers; the header line."""
+        args, info = self.args, self.info
+        self.t, self.dp = t, any(isinstance(m, nn.DataParallel) for m in t.model.modules())
+        self.logger.warn(slow_bf16(t.compute_dtype, info.device))
+        changed = load_states(self.resumed, t, scheduler, args)
+        if args.compile:
+            compile_in_place(t.model)
+        self.logger.print(where_it_starts(self.resumed, args, changed))
+        self.skipped, self.vote = SkippedSteps(t.scaler, info.device), StopVote(self.stop, info)
+        self.peak, note = run_peak(args.peak_tflops, info.device, t.compute_dtype, self.fp32_math)
+        self.logger.warn(note)
+        gpus = torch.cuda.device_count() if self.dp and info.device.type == "cuda" else 1
+        self.devices = info.world_size * gpus  # what the peak is multiplied by
+        self.signals.install()
+        self.logger.print(header_line(args, info, t, self.data, self.fp32_math))
+
+    def epochs(self) -> Iterator[int]:
+        """The epochs left to train, from the resumed one on; none after a stop."""
+        for epoch in range(self.resumed.epoch, self.args.epochs):
+            yield epoch
+            if self.stopped_at is not None:
+                return
 
     def loop(self, epoch: int) -> dict:
         """The options of :func:`ampkit.engine.train_one_epoch` for ``epoch`` (a resumed
@@ -115,11 +150,14 @@ class EpochBook:
     def log(self, epoch: int, stats: EpochStats, counts) -> None:
         """The epoch's line (rank 0), its row in log.jsonl, its TensorBoard scalars."""
         self.train_seconds += stats.seconds
+        self.train_flops += stats.images * self.flops_per_image
         t0, lr, reset = self.epoch_start
         skipped = (report_skipped(self.logger, self.info, self.loader, self.data.val)
                    if self.args.skip_bad_images else 0)
         row = epoch_row(epoch, stats, [int(c) for c in counts], lr, time.perf_counter() - t0,
                         self.args, self.info, self.t.scaler, skipped, self.dp, reset)
+        row |= achieved(stats.images * self.flops_per_image, stats.seconds, self.peak,
+                        self.devices)
         self.logger.epoch(row | self.save_timing, self.args.epochs, counts)
 
 
@@ -140,11 +178,7 @@ class Run(EpochBook):
         self.fp32_math = set_tf32(args.tf32) if device.type == "cuda" else ""
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # a fixed input size: let cuDNN pick kernels
-        self.run_dir = args.checkpoint / args.variant
-        self.lock = ckpt_io.claim_run_dir(self.run_dir) if info.is_main else None
-        self.tb_dir = (ckpt_io.prepare_run_dir(args.tensorboard_log / args.variant)
-                       / time.strftime("%Y%m%d-%H%M%S")) if info.is_main and args.tensorboard \
-            else None  # checked now, created by the first write
+        self.run_dir, self.lock, self.tb_dir = _folders(args, info)
         path = agreed_resume_path(args, self.run_dir, info)
         self.data = build_loaders(args.dataset, args.dataset_root, args.img_size,
                                   args.batch_size, info, loader=args.loader,
@@ -153,18 +187,14 @@ class Run(EpochBook):
         self.train_set = self.data.train_set  # what a DDP script's DistributedSampler draws
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
         self.image_shape = (3, args.img_size, args.img_size)
-        torch.manual_seed(args.seed)  # the same initial model on every rank, any world size
-        model = build_model(args.arch, self.data.num_classes, pretrained=args.pretrained)
-        seed_streams(args.seed, info.rank, device.type == "cuda")  # dropout: each its own
-        check_dp_scope(model, args.dp_scope, args.arch)
-        model = model.to(device, memory_format=self.input_format)
-        self.parts = Parts(device, model, nn.CrossEntropyLoss(), args.amp_dtype, args.dp_scope,
-                           lr=args.lr, arch=args.arch, clip_grad=args.clip_grad or math.inf)
+        self.parts = _parts(args, info, self.data.num_classes, self.input_format)
+        self.flops_per_image = training_flops_per_image(self.parts.model, self.image_shape,
+                                                        device, self.input_format)
         self.resumed = Resumed() if path is None else load_resume(
-            path, args, model, device, info.world_size, info.is_main)
+            path, args, self.parts.model, device, info.world_size, info.is_main)
         if path is None and args.init_from is not None:
             init = ckpt_io.resolve(args.init_from, "--init_from")
-            ckpt_io.load_weights(model, ckpt_io.load(init), init)
+            ckpt_io.load_weights(self.parts.model, ckpt_io.load(init), init)
         self.logger = RunLogger(info.is_main, self.tb_dir, self.run_dir / "log.jsonl",
                                 resume_epoch=self.resumed.epoch if path else None)
         self.best_acc, self.best_epoch = self.resumed.best_acc, self.resumed.best_epoch
@@ -172,36 +202,7 @@ class Run(EpochBook):
         self.stop, self.own_sampler, self.stopped_at = StopFlag(), None, None
         self.signals = StopSignals(self.stop, self.logger.print)
         self.train_seconds, self.t_start, self.save_timing = 0.0, time.perf_counter(), {}
-
-    def train_loader(self, sampler: Optional[Sampler[int]] = None):
-        """The training batches in ``sampler``'s order (None: one process's, reshuffled
-        every epoch by :meth:`loop`)."""
-        if sampler is None:
-            sampler = self.own_sampler = one_process_sampler(len(self.train_set),
-                                                             self.args.seed, self.info.world_size)
-        self.loader = self.data.train_loader(sampler)
-        return self.loader
-
-    def start(self, t: Technique, scheduler) -> None:
-        """The script's technique and LR schedule, with a resumed run's states; --compile;
-        the stop vote and signal handlers; the header line."""
-        args, info = self.args, self.info
-        self.t, self.dp = t, any(isinstance(m, nn.DataParallel) for m in t.model.modules())
-        self.logger.warn(slow_bf16(t.compute_dtype, info.device))
-        changed = load_states(self.resumed, t, scheduler, args)
-        if args.compile:
-            compile_in_place(t.model)
-        self.logger.print(where_it_starts(self.resumed, args, changed))
-        self.skipped, self.vote = SkippedSteps(t.scaler, info.device), StopVote(self.stop, info)
-        self.signals.install()
-        self.logger.print(header_line(args, info, t, self.data, self.fp32_math))
-
-    def epochs(self) -> Iterator[int]:
-        """The epochs left to train, from the resumed one on; none after a stop."""
-        for epoch in range(self.resumed.epoch, self.args.epochs):
-            yield epoch
-            if self.stopped_at is not None:
-                return
+        self.train_flops = 0.0
 
     def __enter__(self) -> "Run":
         return self
@@ -227,9 +228,10 @@ class Run(EpochBook):
         if self.resumed.epoch >= self.args.epochs:  # nothing was trained
             return 0
         self.saver.finish()  # the last save, which may still be in flight
+        mean = achieved(self.train_flops, self.train_seconds, self.peak, self.devices)
         self.logger.print(summary_line(self.args, time.perf_counter() - self.t_start,
                                        self.train_seconds, self.best_acc, self.best_epoch,
-                                       self.run_dir, self.tb_dir))
+                                       self.run_dir, self.tb_dir, mean))
         return 0
 
     def _close(self, finished: bool) -> None:
@@ -244,3 +246,33 @@ class Run(EpochBook):
             self.info.barrier()
         if self.lock is not None:
             self.lock.release()
+
+
+def _folders(args, info: DistInfo) -> tuple:
+    """(the run folder, its lock, the TensorBoard folder): global rank 0 claims the run
+    folder (one run in it at a time) and checks the TensorBoard one, which its first write
+    creates; the other ranks write nothing."""
+    run_dir = args.checkpoint / args.variant
+    if not info.is_main:
+        return run_dir, None, None
+    lock = ckpt_io.claim_run_dir(run_dir)
+    try:
+        tb_dir = (ckpt_io.prepare_run_dir(args.tensorboard_log / args.variant)
+                  / time.strftime("%Y%m%d-%H%M%S")) if args.tensorboard else None
+    except BaseException:
+        lock.release()
+        raise
+    return run_dir, lock, tb_dir
+
+
+def _parts(args, info: DistInfo, num_classes: int, memory_format: torch.memory_format) -> Parts:
+    """The network, built from ``--seed`` alone (the same initial weights on every rank, for
+    any world size; then this rank's own random streams), on the device; and the rest of
+    what a script's ``build()`` starts from."""
+    torch.manual_seed(args.seed)
+    model = build_model(args.arch, num_classes, pretrained=args.pretrained)
+    seed_streams(args.seed, info.rank, info.device.type == "cuda")  # dropout: each its own
+    check_dp_scope(model, args.dp_scope, args.arch)
+    model = model.to(info.device, memory_format=memory_format)
+    return Parts(info.device, model, nn.CrossEntropyLoss(), args.amp_dtype, args.dp_scope,
+                 lr=args.lr, arch=args.arch, clip_grad=args.clip_grad or math.inf)

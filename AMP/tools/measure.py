@@ -16,8 +16,8 @@ what ``compare.py`` measures end to end).
   memory (``VmHWM``, reset through ``/proc/self/clear_refs`` where Linux allows).
 - No host sync inside the timed window: the loop's host read (``--log_every``) is put
   after the last timed step.
-- FLOPs per step: ``torch.utils.flop_counter.FlopCounterMode`` over one forward +
-  backward of the bare model (matmuls and convolutions; not the optimizer);
+- FLOPs per step: ``machinery.flops.training_flops_per_image`` (the training scripts'
+  counter: ``FlopCounterMode`` over one forward + backward of the bare model) x batch;
   utilisation = achieved FLOP/s / (peak x devices), where the peak is the precision's
   own: ``peak_tflops`` (fp16/bf16) for the autocast variants, ``peak_tflops_fp32`` for
   the fp32 ones, whose math on CUDA is labelled (``fp32_math``: TF32 or true fp32).
@@ -53,7 +53,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
-from torch.utils.flop_counter import FlopCounterMode
 from torchvision import transforms
 
 import torch.distributed as dist
@@ -64,6 +63,7 @@ from ampkit.engine import Parts, train_one_epoch
 from ampkit.machinery.data import train_loader
 from ampkit.machinery.datasets import CIFAR10, build_datasets
 from ampkit.machinery.fastdata import fast_loaders
+from ampkit.machinery.flops import training_flops_per_image
 from ampkit.machinery.memory import memory_kind, peak_memory_mb, reset_peak_memory
 from ampkit.machinery.profiler import StepProfiler
 from ampkit.machinery.signals import StopFlag
@@ -105,6 +105,7 @@ class StepResult:
     gflop_per_step: Optional[float] = None
     achieved_tflops: Optional[float] = None
     utilisation: Optional[float] = None    # fraction of the precision's peak x devices
+    speedup: Optional[float] = None        # images/s over the fp32 row of its parallel mode
     timer: str = ""
     note: str = ""
     status: str = "ok"
@@ -112,16 +113,6 @@ class StepResult:
 
     def as_dict(self) -> Dict:
         return asdict(self)
-
-
-def count_step_flops(model: nn.Module, images: torch.Tensor, targets: torch.Tensor) -> int:
-    """FLOPs of one forward + backward, counted by ``torch.utils.flop_counter``."""
-    model.train()
-    counter = FlopCounterMode(display=False)
-    with counter:
-        nn.functional.cross_entropy(model(images), targets).backward()
-    model.zero_grad(set_to_none=True)
-    return int(counter.get_total_flops())
 
 
 class DDPGroup:
@@ -245,7 +236,7 @@ def _built(variant: str, res: StepResult, device: torch.device, num_classes: int
     pool = [(torch.randn(b, 3, px, px, generator=gen).to(device, memory_format=fmt),
              torch.randint(0, num_classes, (b,), generator=gen).to(device))
             for _ in range(min(4, max(res.steps * res.accum_steps, 1)))]
-    flops = count_step_flops(model, *pool[0])
+    flops = training_flops_per_image(model, (3, px, px), device, fmt) * b
     t = importlib.import_module(variant).build(
         Parts(device, model, nn.CrossEntropyLoss(), amp_dtype, res.dp_scope or "model", lr=lr,
               arch=res.arch))
@@ -469,8 +460,22 @@ def _fmt(v: Optional[float], spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def add_speedups(results: Sequence[StepResult]) -> None:
+    """Each result's images/s over those of the fp32 row of the same parallel mode and
+    settings (batch, accumulation, memory format, compilation), where there is one: the
+    article's question, what a precision buys over fp32."""
+    def key(r: StepResult) -> tuple:
+        return r.parallel, r.batch_size, r.accum_steps, r.channels_last, r.compiled, r.dp_scope
+
+    base = {key(r): r for r in results if r.precision == "fp32" and r.status == "ok"}
+    for r in results:
+        b = base.get(key(r))
+        if r.status == "ok" and b is not None and b.images_per_s:
+            r.speedup = r.images_per_s / b.images_per_s
+
+
 def step_table(results: Sequence[StepResult]) -> str:
-    head = ["variant", "precision", "math", "dev", "batch", "step ms", "images/s",
+    head = ["variant", "precision", "math", "dev", "batch", "step ms", "images/s", "x fp32",
             "peak MB", "GFLOP/step", "TFLOP/s", "util", "note"]
     rows = []
     for r in results:
@@ -479,11 +484,11 @@ def step_table(results: Sequence[StepResult]) -> str:
                      f"{r.devices} {r.device}",
                      f"{r.batch_size}" + (f"x{r.accum_steps}" if r.accum_steps > 1 else ""),
                      _fmt(r.step_ms, ".1f"), _fmt(r.images_per_s, ".1f"),
-                     _fmt(r.peak_mem_mb, ".0f"), _fmt(r.gflop_per_step, ".2f"),
-                     _fmt(r.achieved_tflops, ".3f"),
+                     _fmt(r.speedup, ".2f"), _fmt(r.peak_mem_mb, ".0f"),
+                     _fmt(r.gflop_per_step, ".2f"), _fmt(r.achieved_tflops, ".3f"),
                      "-" if r.utilisation is None else f"{100 * r.utilisation:.1f}%",
                      r.note if ok else f"{r.status}: {r.reason}"])
-    return text_table(head, rows, left={0, 1, 2, 11})
+    return text_table(head, rows, left={0, 1, 2, 12})
 
 
 def pipeline_table(results: Sequence[PipelineResult]) -> str:

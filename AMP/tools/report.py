@@ -48,6 +48,9 @@ class VariantResult:
     status: str = NOT_RUN
     reason: str = ""
     checkpoint: str = ""
+    seed: Optional[int] = None              # the run's --seed
+    tflops: Optional[float] = None          # achieved TFLOP/s over the training loops
+    utilisation: Optional[float] = None     # its share of the devices' peak, where known
 
 
 CSV_COLUMNS = [f.name for f in dataclasses.fields(VariantResult)]
@@ -142,7 +145,22 @@ def summarise_log(rows: Sequence[Dict]) -> Dict[str, Optional[float]]:
             "images_per_s": steady_images_per_s(_numbers(rows, "images_per_s")),
             "best_val_acc": max(acc) if acc else None,
             "peak_mem_mb": max(mem) if mem else None,
-            "peak_mem_per_rank": _per_rank(rows)}
+            "peak_mem_per_rank": _per_rank(rows), **_rates(rows)}
+
+
+def _rates(rows: Sequence[Dict]) -> Dict[str, Optional[float]]:
+    """The run's achieved TFLOP/s over its training loops (each epoch's weighted by its
+    training time) and its share of the peak, from the epochs that logged them."""
+    timed = [(t, r) for r in rows for t in [_finite(r.get("train_time"))]
+             if t and _finite(r.get("tflops")) is not None]
+    seconds = sum(t for t, _ in timed)
+    if not seconds:
+        return {"tflops": None, "utilisation": None}
+    tflops = sum(t * r["tflops"] for t, r in timed) / seconds
+    shares = [(t, _finite(r.get("utilisation"))) for t, r in timed]
+    util = (sum(t * u for t, u in shares) / seconds
+            if all(u is not None for _, u in shares) else None)
+    return {"tflops": tflops, "utilisation": util}
 
 
 def _per_rank(rows: Sequence[Dict]) -> str:
@@ -197,10 +215,11 @@ def _acc(v: Optional[float]) -> str:
 
 MD_HEADER = ["variant", "parallel", "precision", "amp dtype", "devices", "epochs",
              "total wall time", "training time (no val)", "images/s (steady)",
-             "peak memory (MB, per rank)", "best val acc", "test acc", "status"]
+             "peak memory (MB, per rank)", "TFLOP/s (of peak)", "best val acc", "test acc",
+             "status"]
 
 
-def markdown_rows(results: Sequence[VariantResult]) -> List[List[str]]:
+def markdown_rows(results: Sequence[VariantResult], show_seed: bool = False) -> List[List[str]]:
     rows = []
     for r in results:
         mem = "-" if r.peak_mem_mb is None else (
@@ -210,19 +229,22 @@ def markdown_rows(results: Sequence[VariantResult]) -> List[List[str]]:
         test = _acc(r.test_acc)
         if r.test_correct is not None:
             test += f" ({r.test_correct}/{r.test_total})"
-        rows.append([r.variant, r.parallel, r.precision, r.amp_dtype or "-",
+        rate = "-" if r.tflops is None else f"{r.tflops:.3g}" + (
+            f" ({100 * r.utilisation:.1f}%)" if r.utilisation is not None else "")
+        name = r.variant + (f" (seed {r.seed})" if show_seed else "")
+        rows.append([name, r.parallel, r.precision, r.amp_dtype or "-",
                      f"{r.devices} {r.device}", "-" if r.epochs is None else str(r.epochs),
                      format_seconds(r.wall_time_s), format_seconds(r.train_time_s),
-                     _num(r.images_per_s), mem, _acc(r.best_val_acc), test,
+                     _num(r.images_per_s), mem, rate, _acc(r.best_val_acc), test,
                      status.replace("|", "\\|")])
     return rows
 
 
-def markdown_table(results: Sequence[VariantResult]) -> str:
-    rows = markdown_rows(results)
+def markdown_table(results: Sequence[VariantResult], show_seed: bool = False) -> str:
+    rows = markdown_rows(results, show_seed)
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(MD_HEADER)]
-    numeric = {4, 5, 6, 7, 8, 9, 10, 11}
+    numeric = {4, 5, 6, 7, 8, 9, 10, 11, 12}
 
     def line(cells):
         return "| " + " | ".join(c.rjust(w) if i in numeric else c.ljust(w)
@@ -242,9 +264,13 @@ def write_csv(results: Sequence[VariantResult], path: Path) -> None:
 
 
 def write_markdown(results: Sequence[VariantResult], path: Path, *, title: str,
-                   preamble: Sequence[str] = (), notes: Sequence[str] = ()) -> str:
-    text = "\n".join([f"# {title}", ""] + list(preamble) + ["", markdown_table(results), ""]
-                     + list(notes)) + "\n"
+                   preamble: Sequence[str] = (), notes: Sequence[str] = (), summary: str = "",
+                   show_seed: bool = False) -> str:
+    """The title, ``preamble``, ``summary`` (the table over the seeds), the table of every
+    run, and ``notes``."""
+    text = "\n".join([f"# {title}", ""] + list(preamble) + [""]
+                     + ([summary] if summary else [])
+                     + [markdown_table(results, show_seed), ""] + list(notes)) + "\n"
     Path(path).write_text(text, encoding="utf-8")
     return text
 
@@ -293,12 +319,15 @@ def _colour(i: int) -> str:
 
 
 def _accuracy_panel(ax, results: Sequence[VariantResult],
-                    curves: Dict[str, List[Tuple[int, float, float]]]) -> None:
-    """Validation accuracy against cumulative training time, one line per variant."""
-    longest = max((c[-1][1] for c in curves.values() if c), default=0.0)
-    unit, div = ("min", 60.0) if longest >= 300 else ("s", 1.0)
+                    curves: Dict[str, List[Tuple[int, float, float]]],
+                    bands: Dict[str, List[Tuple[int, float, float, float, float]]]) -> None:
+    """Validation accuracy against cumulative training time, one line per variant; over
+    several seeds (``bands``) the mean line and the band from the lowest to the highest."""
+    ends = [c[-1][1] for c in curves.values() if c] + [b[-1][1] for b in bands.values() if b]
+    unit, div = ("min", 60.0) if max(ends, default=0.0) >= 300 else ("s", 1.0)
     for i, r in enumerate(results):
-        points = curves.get(r.variant) or []
+        band = bands.get(r.variant) or []
+        points = [(e, t, a) for e, t, a, _, _ in band] or curves.get(r.variant) or []
         linestyle, marker = _STYLE.get(r.parallel, ("-", "o"))
         label = r.variant if r.status == OK else f"{r.variant} ({r.status})"
         if r.status == OK and not points:
@@ -306,6 +335,9 @@ def _accuracy_panel(ax, results: Sequence[VariantResult],
         ax.plot([t / div for _, t, _ in points], [a for _, _, a in points], label=label,
                 color=_colour(i), linestyle=linestyle, marker=marker, markersize=5,
                 alpha=1.0 if r.status == OK else 0.45)
+        if band:
+            ax.fill_between([t / div for _, t, _, _, _ in band], [lo for *_, lo, _ in band],
+                            [hi for *_, hi in band], color=_colour(i), alpha=0.15, linewidth=0)
     ax.set_xlim(left=0)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel(f"cumulative training time ({unit}; training loops only, no validation)")
@@ -364,12 +396,14 @@ def _memory_panel(ax, results: Sequence[VariantResult]) -> List[Optional[float]]
 
 def plot_results(results: Sequence[VariantResult], path: Optional[Path] = None,
                  title: str = "",
-                 curves: Optional[Dict[str, List[Tuple[int, float, float]]]] = None):
+                 curves: Optional[Dict[str, List[Tuple[int, float, float]]]] = None,
+                 bands: Optional[Dict[str, List[Tuple[int, float, float, float, float]]]] = None):
     """Three panels side by side, and the figure returned (a matplotlib ``Figure``
     outside pyplot: nothing to close); written to ``path`` as a PNG when given.
 
     1. validation accuracy against cumulative training time, from ``curves``
-       (variant -> :func:`accuracy_curve` points);
+       (variant -> :func:`accuracy_curve` points), or over several seeds ``bands``
+       (variant -> ``stats.band`` points: the mean and the range over the seeds);
     2. speed-up over ``train_without`` (:func:`speedups`);
     3. peak memory per device (``peak_mem_mb``, labelled GPU allocated or process RSS).
 
@@ -381,7 +415,7 @@ def plot_results(results: Sequence[VariantResult], path: Optional[Path] = None,
     curves = curves or {}
     fig = Figure(figsize=(17, 0.3 * len(results) + 5.2), layout="constrained")
     ax_acc, ax_speed, ax_mem = fig.subplots(1, 3, width_ratios=[1.35, 1, 1])
-    _accuracy_panel(ax_acc, results, curves)
+    _accuracy_panel(ax_acc, results, curves, bands or {})
     _speedup_panel(ax_speed, results)
     _memory_panel(ax_mem, results)
     names = [r.variant if r.status == OK else f"{r.variant} ({r.status})" for r in results]

@@ -137,6 +137,10 @@ def train_parser(variant: str, process_group: bool = False, doc: Optional[str] =
                    help="DataParallel wraps the whole model, or only model.features as in "
                         "pytorch/examples' ImageNet script (the big linear layers then run on "
                         "one GPU)")
+    p.add_argument("--peak_tflops", type=float, default=None, metavar="TFLOPS",
+                   help="dense peak TFLOP/s of one device in this run's precision, for the "
+                        "share of it the epoch line reports. Default: by GPU name "
+                        "(ampkit/machinery/flops.py); none on the CPU")
     p.add_argument("--log_every", type=int, default=20,
                    help="optimizer steps between reads of the loss on the host (progress bar, "
                         "checks)")
@@ -190,6 +194,9 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
         raise UserError(f"--epochs must be a positive integer, got {args.epochs}")
     if not (math.isfinite(args.lr) and args.lr >= 0):
         raise UserError(f"--lr must be a finite number >= 0, got {args.lr}")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops)
+                                             and args.peak_tflops > 0):
+        raise UserError(f"--peak_tflops must be a positive number, got {args.peak_tflops}")
     if args.log_every <= 0:
         raise UserError(f"--log_every must be a positive integer, got {args.log_every}")
     if args.accum_steps <= 0:

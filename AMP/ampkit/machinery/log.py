@@ -1,4 +1,5 @@
-"""Logging on global rank 0 only: console lines, TensorBoard scalars, a JSON line per epoch."""
+"""Logging on global rank 0 only: console lines, progress bars, TensorBoard scalars, a JSON
+line per epoch."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,21 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
+from tqdm import tqdm
 
 from .memory import memory_kind, peak_memory_mb
+
+# Seconds between redraws of a progress bar where stderr is not a terminal (a log file,
+# SLURM's, compare.py's children): a few lines a log keeps, not one redraw per step.
+LOG_REDRAW_S = 30.0
+
+def progress_bar(iterable=None, **kw) -> tqdm:
+    """tqdm on stderr, which clears itself when done (``leave=False``). In a terminal it
+    redraws as tqdm does; elsewhere every ``LOG_REDRAW_S`` seconds at most."""
+    interactive = sys.stderr.isatty()
+    return tqdm(iterable, leave=False, dynamic_ncols=interactive,
+                mininterval=0.1 if interactive else LOG_REDRAW_S, **kw)
+
 
 def format_duration(seconds: float) -> str:
     """``1342.4`` -> ``0h22m22s`` (the article divided seconds by 60 with //)."""
@@ -86,11 +100,12 @@ class RunLogger:
     def epoch(self, row: Dict[str, Any], epochs: int, counts: tuple) -> None:
         """An epoch's results: its line on the console, its row in log.jsonl, its scalars in
         TensorBoard. ``counts``: validation's (correct, total)."""
-        scale = row.get("grad_scale")
+        scale, util = row.get("grad_scale"), row.get("utilisation")
         self.print(f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  "
                    f"val_acc {row['val_acc']:.4f} ({counts[0]}/{counts[1]})  lr {row['lr']:.2e}  "
                    f"time {row['epoch_time']:.1f}s  {row['images_per_s']:.0f} img/s  "
-                   f"grad_norm {row['grad_norm_mean']:.3g} (max {row['grad_norm_max']:.3g})"
+                   + achieved_text(row.get("tflops"), util)
+                   + f"  grad_norm {row['grad_norm_mean']:.3g} (max {row['grad_norm_max']:.3g})"
                    + (f"  skipped_steps {row['skipped_steps']}  scale {scale:.0f}"
                       if scale is not None else ""))
         self.record(row)
@@ -98,7 +113,9 @@ class RunLogger:
                       "val/accuracy": row["val_acc"], "time/epoch_seconds": row["epoch_time"],
                       "train/grad_norm_mean": row["grad_norm_mean"],
                       "train/grad_norm_max": row["grad_norm_max"],
-                      "throughput/images_per_second": row["images_per_s"]}
+                      "throughput/images_per_second": row["images_per_s"],
+                      "throughput/tflops": row.get("tflops", float("nan"))}
+                     | ({"throughput/utilisation": util} if util is not None else {})
                      | ({"amp/grad_scale": scale, "amp/skipped_steps": row["skipped_steps"]}
                         if scale is not None else {}), row["epoch"])
 
@@ -150,10 +167,20 @@ def header_line(args, info, technique, data, fp32_math: str) -> str:
             + f", {data.kind} loader; progress in optimizer steps")
 
 
+def achieved_text(tflops: Optional[float], utilisation: Optional[float]) -> str:
+    """``0.52 TFLOP/s (31.0% of peak)``; the share left out where no peak is known."""
+    if tflops is None:
+        return ""
+    return f"{tflops:.3g} TFLOP/s" + (f" ({100 * utilisation:.1f}% of peak)"
+                                      if utilisation is not None else "")
+
+
 def summary_line(args, seconds: float, train_seconds: float, best_acc: float, best_epoch: int,
-                 run_dir: Path, tb_dir: Optional[Path]) -> str:
-    """The run's last line."""
+                 run_dir: Path, tb_dir: Optional[Path], mean: Optional[dict] = None) -> str:
+    """The run's last line; ``mean``: the run's achieved TFLOP/s (and share of peak)."""
+    rate = (f", {achieved_text(mean['tflops'], mean['utilisation'])} on average"
+            if mean and train_seconds > 0 else "")
     return (f"done: {args.variant}, {args.epochs} epochs, {format_duration(seconds)} (training "
-            f"alone {format_duration(train_seconds)}), best val_acc {max(best_acc, 0):.4f} at "
-            f"epoch {best_epoch}; checkpoints in {run_dir}"
+            f"alone {format_duration(train_seconds)}{rate}), best val_acc "
+            f"{max(best_acc, 0):.4f} at epoch {best_epoch}; checkpoints in {run_dir}"
             + (f"; TensorBoard in {tb_dir}" if tb_dir else ""))
