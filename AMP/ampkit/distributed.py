@@ -1,20 +1,8 @@
-"""Devices and the plumbing around a process group; the group itself is the scripts' own.
-
-A DDP or FSDP2 script joins its process group in plain torch calls::
-
-    rank, world_size, device = torchrun_env(args.cuda)
-    torch.cuda.set_device(device)                       # on CUDA
-    torch.distributed.init_process_group(
-        backend, rank=rank, world_size=world_size, store=elastic_store(rank, world_size),
-        timeout=GROUP_TIMEOUT, device_id=device.index)  # device_id: None on the CPU
-    ...
-    torch.distributed.destroy_process_group()
-
-This module does what is around those calls: torchrun's environment variables (under plain
-``python``, a group of one on a free local port), the device a process owns
-(``cuda:LOCAL_RANK``, or the CPU), a store that keeps a restarted attempt's keys apart
-from the previous attempt's, and :class:`DistInfo`, what the shared code asks of the group.
-With CUDA the backend is NCCL, on the CPU gloo.
+"""Around the process group that a DDP or FSDP2 script joins itself (``train_DDP.py``):
+torchrun's environment (under plain ``python``, a group of one on a free local port), the
+device a process owns (``cuda:LOCAL_RANK``, or the CPU), a store that keeps a restarted
+attempt's keys apart from the previous attempt's, the ranks' stop vote, and the random
+streams of each rank. With CUDA the backend is NCCL, on the CPU gloo.
 """
 from __future__ import annotations
 

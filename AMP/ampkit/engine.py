@@ -1,10 +1,9 @@
 """The epoch loop around a script's training step, and the accuracy count.
 
-A train script's ``build(parts: Parts) -> Technique`` makes its variant: the wrapper, the
-optimizer, the precision objects and the step -- forward under autocast, backward (scaled
-or not), optimizer step. ``train_one_epoch`` runs that step and does the bookkeeping around it.
-It never syncs the host per step: loss sums and counters stay on the device and are
-read every ``log_every`` steps and at the end of the epoch.
+A script's ``build(parts: Parts) -> Technique`` makes its variant: wrapper, optimizer,
+precision objects and the step. ``train_one_epoch`` runs the step over the epoch's
+windows of micro-batches without a host sync per step: the loss sums and counters stay on
+the device and are read every ``log_every`` steps and at the epoch's end.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Which network a run trains: ``--arch``, any torchvision classifier by its builder name.
-
-- ``build_model``: torchvision's model, by ``torchvision.models.get_model`` (``alexnet``, the
-  default, has the layers of the article's ``AMP/alexnet.py``, so their weights load into
-  each other); ``--pretrained`` takes torchvision's default weights and, for another number
-  of classes, a new last layer. The names and their checks: ``machinery/archs.py``.
-- ``autocast_replicas``: what ``nn.DataParallel`` replicates (the model, or its
-  ``features`` block), made to re-enter autocast with the run's dtype in the replica
-  threads, which do not inherit it.
-- ``shard_units``: the blocks FSDP2 shards one by one.
+"""Which network a run trains (``--arch``: any torchvision classifier; the names and their
+checks are ``machinery/archs.py``), autocast in what DataParallel replicates, and the
+blocks FSDP2 shards one by one. ``alexnet`` has the layers of the article's
+``AMP/alexnet.py``: their weights load into each other.
 """
 from __future__ import annotations
 

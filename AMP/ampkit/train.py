@@ -1,28 +1,15 @@
 """What a training run stands on, and the bookkeeping around each script's own epochs.
 
-A train script builds its technique (``build(parts) -> Technique``: the wrapper, the
-optimizer, the precision objects and the step) and runs its epochs in view, in the shape
-of DeiT's ``main.py`` (``AMP/train_DDP.py``)::
+A train script builds its technique and runs its epochs in view, in the shape of DeiT's
+``main.py`` (``AMP/train_DDP.py``): ``with Run(args, device) as run``, its loader, its
+``build(run.parts)``, its LR schedule, ``run.start(t, scheduler)``, then for each of
+``run.epochs()``: ``train_one_epoch(t.step, loader, **run.loop(epoch))``, ``run.validate``
+(summed over the ranks by the script), the schedule's step, ``run.save`` and ``run.log``.
 
-    with Run(args, device) as run:                 # run folder, logs, data, model, resume
-        loader = run.train_loader(sampler)         # the script's DistributedSampler's order
-        t = build(run.parts)
-        scheduler = ReduceLROnPlateau(t.optimizer, mode="max", patience=3)
-        run.start(t, scheduler)                    # resumed states, --compile, the header
-        for epoch in run.epochs():
-            sampler.set_epoch(epoch)
-            stats = train_one_epoch(t.step, loader, **run.loop(epoch))
-            ...                                    # a stop: run.save(checkpoint, epoch, step=...)
-            counts = run.validate(t)               # this rank's [correct, seen]
-            dist.all_reduce(counts)
-            scheduler.step(accuracy)
-            run.save(checkpoint, epoch + 1, val_acc=accuracy)  # rank 0 writes
-            run.log(epoch, stats, counts)
-
-:class:`Run` is the set-up and the end: the device and the seed, the run folder and its
-lock, the logs, the data, the network built from ``--seed``, what is resumed, the signal
-handlers, and at the end the summary line (or, after a stop, the stop's line and exit
-status 128 + signal). :class:`EpochBook`, its base, is the bookkeeping the loop calls.
+:class:`Run` is the set-up and the end: device and seed, run folder and lock, logs, data,
+the network built from ``--seed``, what is resumed, signal handlers, and the last line (a
+stop: the stop's line, exit status 128 + signal). :class:`EpochBook`, its base, is the
+bookkeeping the loop calls.
 """
 from __future__ import annotations
 

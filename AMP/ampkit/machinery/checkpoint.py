@@ -1,20 +1,13 @@
 """Checkpoint IO: atomic writes in the background, safe loads, prefix-free weights.
 
-- The scripts hand over the unwrapped model's weights; a wrapper's segment still in a key
-  (``module.``, ``_orig_mod.``) is dropped on save and on load, so any eval script loads
-  any variant's checkpoint, older files included.
-- Writes go to a temporary file in the same folder, are flushed and fsync'ed,
-  then ``os.replace``d over the target: a kill at any instant leaves either the
-  previous file or the new one, never a truncated one.
-- Saves leave the training loop's path: :class:`Snapshot` copies the state to CPU
-  memory (the loop goes on changing the live tensors), and :class:`BackgroundWriter`
-  writes the copy in a thread while the next epoch trains, one save at a time.
-- A save checks the free space first, and a full disk is one line saying how much is
-  needed and free, and where; the previous files stay valid. last.pth is written before
-  best.pth, so there is never a best.pth without a last.pth to resume from.
-- Loads use ``torch.load(weights_only=True)``: a file carrying pickled callables
-  is refused without running them. Every failure is one line naming the file.
-- :class:`RunLock`: one run per run folder.
+- A wrapper's segment left in a key (``module.``, ``_orig_mod.``) is dropped on save and on
+  load: any eval script loads any variant's checkpoint, older files included.
+- A write goes to a temporary file beside the target, is fsync'ed and renamed over it: a
+  kill at any instant leaves the previous file or the new one. :class:`Snapshot` copies the
+  state to CPU memory and :class:`BackgroundWriter` writes it while training goes on.
+- The free space is checked first: a full disk is one line, the previous files intact.
+- ``torch.load(weights_only=True)``: pickled callables are refused unrun; every failure is
+  one line naming the file. :class:`RunLock`: one run per run folder.
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """The training and validation loaders: the fast device path or the classic DataLoader.
 
-``build_loaders`` picks the path (``--loader auto``: fast for the data sets held in
-memory, CIFAR10 and FakeData; classic for ImageFolder) and makes the validation loader;
-``Loaders.train_loader(sampler)`` makes the training loader in the order of a sampler --
-the DDP script's ``DistributedSampler``, or one process's (``one_process_sampler``). Both
-paths yield (images, targets) batches in the same order for the same sampler, and both
-expose ``.sampler``: a :class:`ResumableSampler` (``start_index``) for training,
-replaceable ``indices`` for validation (:class:`IndexSampler`, this rank's shard).
-
-The classic path is torchvision's: a DataLoader with PIL transforms in ``--num_workers``
-worker processes, pinned memory and non-blocking copies on CUDA. An image that cannot be
-read stops the run with a one-line error naming it, or, with ``--skip_bad_images``, is
-listed (:class:`CheckedLoader`) and left out of validation; in training the next readable
-image takes its place, so that every rank runs as many full batches as its peers.
+``build_loaders`` picks the path (``--loader auto``: fast for CIFAR10 and FakeData, classic
+for ImageFolder); ``Loaders.train_loader(sampler)`` yields the batches in a sampler's order
+(a script's ``DistributedSampler``, or one process's), resumable through
+``.sampler.start_index``. The classic path is torchvision's DataLoader with PIL transforms,
+workers, pinned memory. An unreadable image is a one-line error naming it; with
+``--skip_bad_images`` it is listed and left out of validation, and in training the next
+readable image takes its place, so that every rank runs as many full batches.
 """
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """Data sets, transforms and samplers: what both input paths (classic and fast) read.
 
-- CIFAR-10 through torchvision, downloaded into ``--dataset_root`` (one process per
-  node downloads while the others wait); with no network the error says where to
-  put the archive instead. The archive, downloaded or put there, is checked against
-  its published md5 and member by member before anything is extracted, and every
-  label is checked to be a class index before training starts.
-- ImageFolder: ``<root>/train/<class>/*`` and ``<root>/val/<class>/*``.
-- FakeData: random images, for smoke runs without data.
-
-Training order: a seeded permutation per epoch from ``DistributedSampler`` (the DDP and
-FSDP2 scripts make theirs; one replica for the others), so every variant shuffles every
-epoch, DDP ranks see disjoint shares, and a run resumed mid-epoch skips what it already
-saw (:class:`ResumableSampler`).
-Validation: each rank takes every world_size-th sample, without padding, so the
-reduced counts are exact for any world size.
+CIFAR-10 through torchvision, downloaded into ``--dataset_root`` by one process per node
+(no network: the error says where to put the archive), checked against its md5 and member
+by member before anything is extracted, its labels checked to be classes; ImageFolder
+(``<root>/train/<class>/*``, ``<root>/val/<class>/*``); FakeData. Training takes a seeded
+permutation per epoch from a ``DistributedSampler`` (:class:`ResumableSampler`: a resumed
+epoch skips what it saw); validation gives each rank every world_size-th sample, unpadded.
 """
 from __future__ import annotations
 

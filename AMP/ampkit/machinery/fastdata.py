@@ -1,31 +1,17 @@
 """The fast input path: the whole data set as one uint8 tensor on the device.
 
-CIFAR-10 is 150 MB as uint8, so it is loaded once and kept on the training
-device (on the GPU when training on CUDA), the way KellerJordan/cifar10-airbench
-does it. Each batch is then an index into that tensor, and the work the classic
-path does per image in PIL on the host (resize to ``img_size``, ToTensor,
-Normalize, RandomHorizontalFlip) is done here on the device for the whole batch:
+CIFAR-10 is 150 MB as uint8: it is loaded once and kept on the training device, as
+KellerJordan/cifar10-airbench does. A batch is an index into it, and what the classic path
+does per image in PIL on the host is done on the device for the whole batch:
 
     images_u8[indices] -> flip (train) -> resize (bilinear, antialias) -> float, normalise
 
-No DataLoader, no workers, no host-to-device copy per step and no host sync per
-step: the epoch's permutation is built on the host once per epoch and sent to the
-device in one (pinned, asynchronous) copy; the flips are drawn for the whole epoch
-from a ``torch.Generator`` on the device seeded from (seed, epoch, rank), so a run
-resumed mid-epoch gets the same flips.
-
-On the CPU the resize runs on uint8 (PyTorch's vectorised antialiased kernel, which
-rounds like PIL: the same pixels as the classic path to one uint8 step); on CUDA it
-runs in float32 after normalising at the source size.
-
-Sampling is the classic path's, so the two paths agree sample for sample: training
-takes its order from a sampler (the DDP script's ``DistributedSampler``: a seeded
-permutation per ``set_epoch``, each rank its share, padded by repeating; one process's
-otherwise), wrapped in ``ResumableSampler`` (``start_index`` to resume mid-epoch);
-evaluation uses ``IndexSampler`` (``rank::world_size`` by default, no padding).
-
-Only data sets that fit in memory take this path (CIFAR10, FakeData);
-ImageFolder stays on the classic DataLoader path (``fits_in_memory``).
+No DataLoader, no workers, no copy and no host sync per step: the epoch's order goes to the
+device in one asynchronous copy, and its flips are drawn from a generator seeded by (seed,
+epoch, rank), so a resumed epoch gets the same ones. On the CPU the resize runs on uint8
+(it rounds like PIL: the classic path's pixels to one uint8 step), on CUDA in float32. The
+order is the classic path's sampler's, so both paths agree sample for sample. CIFAR10 and
+FakeData take this path; ImageFolder stays on the classic one.
 """
 from __future__ import annotations
 

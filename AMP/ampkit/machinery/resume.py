@@ -1,11 +1,9 @@
 """Resuming a run: which checkpoint, whether it fits this run, and loading it.
 
-``--resume`` (this variant's last.pth), ``--resume PATH``, or a restart by torchrun
-(``--max-restarts``), which continues from the run's last.pth by itself. The checkpoint
-must come from the same variant, data set, data folder, image size and global batch (and,
-stopped mid-epoch, the same world size); what differs is said in one line. The weights
-go into the bare model before the script wraps it; the optimizer's, LR schedule's and
-GradScaler's states wait until the script's ``build()`` has made those objects.
+``--resume`` (this variant's last.pth), ``--resume PATH``, or a torchrun restart, which
+continues from last.pth by itself. Variant, data, image size and global batch (and, mid-
+epoch, the world size) must match; what differs is said in one line. The weights go into
+the bare model before it is wrapped; the other states wait for the script's ``build()``.
 """
 from __future__ import annotations
 

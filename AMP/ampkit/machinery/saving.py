@@ -1,14 +1,13 @@
 """When a run saves, and what: the save policy and the checkpoint's content.
 
-- ``last.pth``: the full state after an epoch (or mid-epoch, at a stop): weights without
-  any wrapper's prefix (FSDP2: gathered from every rank's shards), optimizer, LR schedule,
-  GradScaler, counters, RNG, the run's flags. Written as ``--save_every`` says (epochs, or
-  time since the last save), after the last epoch, and at a stop.
-- ``best.pth``: weights and metadata at the best validation accuracy. A best epoch between
-  two saves of last.pth waits in memory and is written with the next one, after it: there
-  is never a best.pth without a last.pth to resume from.
-- Every rank takes part in making the state (FSDP2's gather is a collective); global rank 0
-  alone writes, in the background (:class:`ampkit.machinery.checkpoint.BackgroundWriter`).
+- ``last.pth``: the full state after an epoch, or at a stop: the script's unwrapped weights,
+  optimizer, LR schedule and GradScaler, the counters, RNG and the run's flags; written as
+  ``--save_every`` says, after the last epoch, and at a stop.
+- ``best.pth``: weights and metadata at the best validation accuracy; a best epoch between
+  two saves of last.pth waits in memory and is written after the next one, so there is
+  never a best.pth without a last.pth to resume from.
+- Every rank makes the state (FSDP2 gathers it); global rank 0 alone writes, in the
+  background.
 """
 from __future__ import annotations
 
