@@ -6,7 +6,6 @@ three precisions and in FSDP2's own mixed precision (``train_FSDP_mixed``).
 """
 from __future__ import annotations
 
-PARALLEL = ("single", "dp", "ddp", "fsdp")
 DISTRIBUTED = ("ddp", "fsdp")  # one process per device, started by torchrun
 _PAR_NAME = {"single": "", "dp": "DP", "ddp": "DDP", "fsdp": "FSDP"}
 _PREC_NAME = {"fp32": "", "autocast": "autocast", "grad_scaler": "GradScaler", "mixed": "mixed"}
@@ -29,4 +28,3 @@ ARTICLE_VARIANTS = {train_name(par, prec): (par, prec)
 TRAIN_VARIANTS = dict(ARTICLE_VARIANTS)
 TRAIN_VARIANTS.update({train_name("fsdp", prec): ("fsdp", prec)
                        for prec in ("fp32", "autocast", "grad_scaler", "mixed")})
-EVAL_VARIANTS = {eval_name(par): par for par in ("single", "dp", "ddp")}
