@@ -88,10 +88,12 @@ def test_a_signal_to_one_rank_stops_every_rank_a_step_later(nproc, rank, signal_
                    "--epochs", "4")
     res = _torchrun(nproc, HELPER, "train_DDP", *flags,
                     env={"FAULT_SIGTERM_AT_LOSS": "11", "FAULT_RANK": str(rank),
-                         "FAULT_SIGNAL": signal_name})
+                         "FAULT_SIGNAL": signal_name, "FAULT_SLOW_EXIT": "2"})
     out = clean_output(res.stdout)
     assert f"stopped by {signal_name} (sent to another rank) {stop}" in out, \
         out[-2000:] + res.stderr[-3000:]
+    # Every rank's status is the signal's, also those that torchrun's SIGTERM reached while
+    # they tore down (FAULT_SLOW_EXIT: the signalled rank exits 2 s before its peers).
     status = 128 + {"SIGTERM": 15, "SIGINT": 2}[signal_name]
     assert _exit_codes(res.stderr) == {r: status for r in range(nproc)}, res.stderr[-3000:]
     state = _load(ckpt / "train_DDP" / "last.pth")

@@ -226,7 +226,7 @@ class Run(EpochBook):
         end): first all ranks wait for each other, so that none tears down its connections
         while a peer still uses them. Not after a failure, when a peer may be gone."""
         if self.signals is not None:
-            self.signals.restore()
+            self.signals.restore(exiting=self.stopped_at is not None and self.info.world_size > 1)
         if self.logger is not None:
             self.logger.close()
         if finished:

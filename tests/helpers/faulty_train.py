@@ -13,7 +13,11 @@ Environment:
   FAULT_SIGTERM_AT_LOSS=N  this process sends itself SIGTERM (FAULT_SIGNAL=SIGINT: Ctrl-C)
                          as it computes its N-th training loss (one per micro-batch): a stop
                          in the middle of a step; with FAULT_RANK, on that rank only.
+  FAULT_SLOW_EXIT=S      every rank but FAULT_RANK sleeps S seconds as its interpreter exits:
+                         FAULT_RANK exits first, and torchrun's SIGTERM to the others (which
+                         it sends once a worker has failed) reaches them while they tear down.
 """
+import atexit
 import importlib
 import os
 import signal
@@ -60,6 +64,10 @@ if sigterm_at_loss and os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK
         return original_loss(self, *args, **kwargs)
 
     torch.nn.CrossEntropyLoss.forward = loss_forward
+
+if float(os.environ.get("FAULT_SLOW_EXIT", "0")) and \
+        os.environ.get("RANK", "0") != os.environ.get("FAULT_RANK", "0"):
+    atexit.register(time.sleep, float(os.environ["FAULT_SLOW_EXIT"]))
 
 if kill_in_save or slow_save:
     original_save = torch.save

@@ -5,7 +5,7 @@ after the next optimizer step (``ampkit.distributed.StopVote``), or at the epoch
 when the signal came during validation or a save, and the run saves ``last.pth`` before it
 exits (SIGTERM: 143, Ctrl-C: 130). A second Ctrl-C stops at once
 (:class:`KeyboardInterrupt`). Outside the run the previous handlers are back, so a script
-called in-process leaves none behind.
+called in-process leaves none behind; a stopped rank of several ignores both as it exits.
 """
 from __future__ import annotations
 
@@ -67,7 +67,11 @@ class StopSignals:
             self._previous.setdefault(sig, signal.getsignal(sig))
             signal.signal(sig, self._handler)
 
-    def restore(self) -> None:
+    def restore(self, exiting: bool = False) -> None:
+        """The previous handlers back. ``exiting`` (one of several processes, stopped and on
+        its way to exit 128 + signal): the signals ignored instead, before the ranks' last
+        barrier, so that torchrun's SIGTERM to the workers still tearing down, once the first
+        has exited, cannot turn their exit status into a kill."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if exiting else handler)
         self._previous.clear()
