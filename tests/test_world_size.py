@@ -192,9 +192,20 @@ def test_rank_0_decides_what_is_resumed_and_every_rank_must_see_it(tmp_path):
     last.write_bytes(b"a checkpoint")
     same = ("node1", str(last), True, None, _identity(last))
     assert agreed_resume_path(_args(tmp_path), run_dir, _Ranks([same])) == last
+    # A copy on another node (a new modification time) is the same file; another save of the
+    # same size is not.
+    copy = tmp_path / "node1" / "last.pth"
+    copy.parent.mkdir()
+    copy.write_bytes(last.read_bytes())
+    os.utime(copy, (1, 1))
+    assert _identity(copy) == _identity(last)
+    other_save = tmp_path / "other.pth"
+    other_save.write_bytes(b"a checkpoinT")
+    assert _identity(other_save) != _identity(last)
     for other, words in [
             (("node1", "/elsewhere/last.pth", False, None, None), "finds none at /elsewhere"),
-            (("node1", "/elsewhere/last.pth", True, None, (12, 1)), "finds another file"),
+            (("node1", "/elsewhere/last.pth", True, None, _identity(other_save)),
+             "finds another file"),
             (("node1", "/elsewhere/last.pth", False, "--resume: no checkpoint to resume at "
               "/elsewhere/last.pth", None), "--resume: no checkpoint")]:
         with pytest.raises(UserError) as e:

@@ -7,6 +7,7 @@ the bare model before it is wrapped; the other states wait for the script's ``bu
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ def resume_path(args, run_dir: Path) -> Optional[Path]:
 def agreed_resume_path(args, run_dir: Path, info) -> Optional[Path]:
     """:func:`resume_path`, decided by global rank 0 and checked by every rank: each loads
     the file at its own path (its own ``--checkpoint``), which must be the one rank 0
-    resumes -- the same size and modification time. Rank 0 alone writes the checkpoints, so
+    resumes -- the same size and contents (:func:`_identity`). Rank 0 alone writes them, so
     on several nodes the folder must be shared (or copied): a node that sees no checkpoint,
     or another one, would start afresh or fail while its peers wait. Instead every rank
     stops with one line naming the first such rank, its host and its path. ``info``: the
@@ -74,12 +75,16 @@ def agreed_resume_path(args, run_dir: Path, info) -> Optional[Path]:
     return mine
 
 
-def _identity(path: Optional[Path]) -> Optional[Tuple[int, int]]:
-    """What tells two copies of a checkpoint apart without reading them: size and mtime."""
+def _identity(path: Optional[Path]) -> Optional[Tuple[int, str]]:
+    """What tells two checkpoints apart without reading them whole: the size, and a hash of
+    the last 64 KiB, where torch.save's zip directory holds the CRC-32 of every tensor. A
+    copy (scp, cp: a new modification time) is the same file; another save is not."""
     if path is None:
         return None
-    status = path.stat()
-    return status.st_size, status.st_mtime_ns
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - 2**16))
+        return size, hashlib.sha256(f.read()).hexdigest()
 
 
 def resume_mismatches(state: dict, args, world_size: int) -> List[str]:
