@@ -77,8 +77,9 @@ def agreed_resume_path(args, run_dir: Path, info) -> Optional[Path]:
 
 def _identity(path: Optional[Path]) -> Optional[Tuple[int, str]]:
     """What tells two checkpoints apart without reading them whole: the size, and a hash of
-    the last 64 KiB, where torch.save's zip directory holds the CRC-32 of every tensor. A
-    copy (scp, cp: a new modification time) is the same file; another save is not."""
+    the last 64 KiB, where torch.save writes each save's own serialization id and the zip
+    directory with every record's CRC-32. A copy (scp, cp: a new modification time) is the
+    same file; another save is not."""
     if path is None:
         return None
     with open(path, "rb") as f:
