@@ -39,7 +39,7 @@ def info(rank: int = 0, world_size: int = 1) -> DistInfo:
 
 
 def classic_images(dataset, indices, img_size):
-    tf = build_transform(img_size, train=False)
+    tf = build_transform(img_size)
     dataset.transform = tf
     pairs = [dataset[i] for i in indices]
     return torch.stack([x for x, _ in pairs]), torch.tensor([y for _, y in pairs])
@@ -80,8 +80,9 @@ def test_uint8_split_matches_torchvision(cifar_root):
 
 
 def test_training_order_and_flips_match_classic(cifar_root):
-    """Same permutation as the classic DistributedSampler; each image is the classic
-    image or its mirror, with both flips drawn."""
+    """Same permutation and the same flips, drawn from (seed, epoch, rank) by the sampler on
+    both paths: each epoch's images are the classic path's to one uint8 step, some of them
+    mirrored; and a resumed epoch (start_index) gets the very flips of its rest."""
     img_size = 64
     classic = build_datasets("CIFAR10", cifar_root, img_size, info())
     train_set, _, _ = fast_loaders("CIFAR10", cifar_root, img_size, 8, info())
@@ -91,16 +92,18 @@ def test_training_order_and_flips_match_classic(cifar_root):
     for epoch in (0, 1):
         fast_order.set_epoch(epoch)
         classic_order.set_epoch(epoch)
-        order = list(classic_dl.sampler)
-        assert list(train.sampler) == order
+        order, flips = zip(*classic_dl.sampler)
+        assert list(train.sampler) == list(order) and 0 < sum(flips) < len(order)
         images, labels = map(torch.cat, zip(*train))
-        ref_images, ref_labels = classic_images(classic.train, order, img_size)
+        ref_images, ref_labels = map(torch.cat, zip(*classic_dl))
         assert torch.equal(labels, ref_labels)
-        plain = (images - ref_images).abs().flatten(1).max(1).values
-        mirrored = (images - TF.hflip(ref_images)).abs().flatten(1).max(1).values
-        flipped = mirrored < plain
-        assert torch.all(torch.minimum(plain, mirrored) <= 1.01 * UINT8_STEP)
-        assert 0 < flipped.sum() < len(order)
+        assert (images - ref_images).abs().max() <= 1.01 * UINT8_STEP
+        plain, _ = classic_images(classic.train, order, img_size)
+        mirrored = torch.tensor(flips).view(-1, 1, 1, 1)
+        assert torch.equal(ref_images, torch.where(mirrored, TF.hflip(plain), plain))
+        train.sampler.start_index = classic_dl.sampler.start_index = 5
+        assert torch.equal(torch.cat([x for x, _ in classic_dl]), ref_images[5:])
+        train.sampler.start_index = classic_dl.sampler.start_index = 0
 
 
 def test_channels_last_option(cifar_root):
@@ -309,6 +312,7 @@ def test_cuda_batches_on_the_gpu_without_host_syncs(cifar_root):
     assert sum(sizes) == train.sampler.num_samples and len(sizes) == len(train) > 2
 
 
+@pytest.mark.slow  # scikit-learn's import alone is most of it: a tool's test, not a quick check
 def test_the_digits_are_a_stratified_seeded_imagefolder(tmp_path):
     """scikit-learn's 1,797 digits as train/ and val/ class folders: a fifth of each digit
     in val/, the same files each time, RGB images the classic path reads."""

@@ -4,7 +4,7 @@
 for ImageFolder); ``Loaders.train_loader(sampler)`` yields the batches in a sampler's order
 (a script's ``DistributedSampler``, or one process's), resumable through
 ``.sampler.start_index``. The classic path is torchvision's DataLoader with PIL transforms,
-workers, pinned memory. An unreadable image is a one-line error naming it; with
+workers (which ignore the stop signals), pinned memory. An unreadable image is a one-line error naming it; with
 ``--skip_bad_images`` it is listed and left out of validation, and in training the next
 readable image takes its place, so that every rank runs as many full batches.
 """
@@ -23,6 +23,7 @@ from .datasets import (BadImage, IndexSampler, ResumableSampler, Unreadable, bui
 from .ranks import DistInfo
 from .errors import UserError
 from .fastdata import fast_loaders, fits_in_memory
+from .signals import held_stop_signals, ignore_stop_signals
 
 
 def default_workers(num_workers: Optional[int], device: torch.device) -> int:
@@ -46,7 +47,9 @@ class CheckedLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator:
-        for images, targets, bad in self.loader:
+        with held_stop_signals():  # the workers start here, the first time
+            batches = iter(self.loader)
+        for images, targets, bad in batches:
             if bad and not self.skip:
                 raise BadImage(f"{bad[0].path}: unreadable image ({bad[0].reason}); replace or "
                                "delete it, or pass --skip_bad_images to go on without it")
@@ -57,18 +60,23 @@ class CheckedLoader:
 
 def _loader(dataset: Dataset, batch_size: int, sampler: Sampler, num_workers: int,
             device: torch.device, skip_bad: bool, collate=collate_readable) -> CheckedLoader:
+    # The workers ignore the stop signals: only the main process decides to stop
+    # (machinery/signals.py). The loader's own generator draws the workers' seeds, not the
+    # random stream that dropout draws from (a resumed run goes on with that stream).
     return CheckedLoader(DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
         pin_memory=device.type == "cuda", persistent_workers=num_workers > 0, drop_last=False,
-        collate_fn=collate), skip_bad)
+        collate_fn=collate, worker_init_fn=ignore_stop_signals,
+        generator=torch.Generator()), skip_bad)
 
 
 def train_loader(dataset: Dataset, batch_size: int, num_workers: int, info: DistInfo,
                  sampler: Optional[Sampler[int]] = None, seed: int = 0,
                  skip_bad: bool = False) -> CheckedLoader:
-    """Batches in ``sampler``'s order (None: one process's, seeded by ``seed``), always full:
-    an unreadable image is replaced by the next readable one (:class:`Substituted`)."""
-    sampler = ResumableSampler(sampler or one_process_sampler(len(dataset), seed))
+    """Batches in ``sampler``'s order (None: one process's, seeded by ``seed``) with its
+    flips, always full: an unreadable image is replaced by the next readable one
+    (:class:`Substituted`)."""
+    sampler = ResumableSampler(sampler or one_process_sampler(len(dataset), seed), pairs=True)
     return _loader(Substituted(dataset), batch_size, sampler, num_workers, info.device,
                    skip_bad, collate_substituted)
 

@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+import torch
 import torchvision
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset, DistributedSampler, Sampler, default_collate
 from torchvision import transforms
 from torchvision.datasets.utils import calculate_md5, download_url
 
-from .ranks import DistInfo
+from .ranks import DistInfo, derived_seed
 from .errors import RankError, UserError
 
 # ImageNet statistics: standard for AlexNet and what its pretrained weights expect.
@@ -108,12 +109,11 @@ def extract_cifar_archive(archive: Path, root: Path) -> None:
         tar.extractall(root, members, **safe)
 
 
-def build_transform(img_size: int, train: bool) -> transforms.Compose:
-    steps = [transforms.Resize((img_size, img_size), antialias=True)]
-    if train:
-        steps.append(transforms.RandomHorizontalFlip())
-    steps += [transforms.ToTensor(), transforms.Normalize(MEAN, STD)]
-    return transforms.Compose(steps)
+def build_transform(img_size: int) -> transforms.Compose:
+    """What both splits' images go through; a training image's flip is its sampler's
+    (:class:`ResumableSampler`), not a random transform's."""
+    return transforms.Compose([transforms.Resize((img_size, img_size), antialias=True),
+                               transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
 
 
 def _bad_label(labels: Sequence) -> Optional[int]:
@@ -235,7 +235,8 @@ def collate_readable(batch: list) -> Tuple[Optional[object], Optional[object], L
 
 class Substituted(Dataset):
     """A training split whose unreadable image is replaced by the next readable one: each
-    sample is ``(image, target, [the Unreadable ones passed over])``.
+    sample, asked for as ``(index, flip)``, is ``(image, mirrored if flip, target, [the
+    Unreadable ones passed over])``.
 
     A batch then never shrinks, and no rank runs fewer steps than its peers: under DDP or
     FSDP2 a rank whose batch was left empty would skip a step, and the others would wait
@@ -248,12 +249,13 @@ class Substituted(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, key: Tuple[int, bool]):
+        index, flip = key
         passed = []
         for offset in range(len(self.dataset)):
             image, target = self.dataset[(index + offset) % len(self.dataset)]
             if not isinstance(image, Unreadable):
-                return image, target, passed
+                return (image.flip(-1) if flip else image), target, passed
             passed.append(image)
         raise UserError(f"no image of the training split can be read (the first: {passed[0]})")
 
@@ -293,7 +295,7 @@ def build_datasets(name: str, root: Path, img_size: int, info: DistInfo,
                    train: bool = True) -> Datasets:
     """The training split (unless ``train=False``) and the validation/test split."""
     root = Path(root)
-    train_tf, val_tf = build_transform(img_size, True), build_transform(img_size, False)
+    train_tf = val_tf = build_transform(img_size)
     if name == "CIFAR10":
         check_cifar_root(root)
         with info.local_main_first():  # one process per node downloads
@@ -321,13 +323,20 @@ def build_datasets(name: str, root: Path, img_size: int, info: DistInfo,
 
 class ResumableSampler(Sampler[int]):
     """A training sampler (the script's ``DistributedSampler``) from ``start_index`` of its
-    epoch on: a run resumed mid-epoch skips what it trained on before it stopped. The epoch
-    is the sampler's own (``set_epoch`` is the script's, or the trainer's for a
-    one-process script)."""
+    epoch on: a run resumed mid-epoch skips what it trained on before it stopped (all of
+    it, after a stop in the epoch's last step). The epoch is the sampler's own
+    (``set_epoch`` is the script's, or the trainer's for a one-process script).
 
-    def __init__(self, sampler: Sampler[int]) -> None:
-        self.sampler = sampler
+    It also draws each sample's horizontal flip, from (seed, epoch, rank) alone: the same
+    flips on both input paths, in a resumed epoch as in the interrupted one, and none of
+    the random stream that dropout draws from. ``pairs``: it yields ``(index, flip)`` (the
+    classic path's :class:`Substituted` takes them); else the indices, and the fast path
+    takes :meth:`flips`."""
+
+    def __init__(self, sampler: Sampler[int], pairs: bool = False) -> None:
+        self.sampler, self.pairs = sampler, pairs
         self.start_index = 0
+        self.seed, self.rank = getattr(sampler, "seed", 0), getattr(sampler, "rank", 0)
 
     @property
     def epoch(self) -> int:
@@ -338,11 +347,18 @@ class ResumableSampler(Sampler[int]):
         """This rank's samples in a whole epoch."""
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(iter(self.sampler), self.start_index, None)
+    def flips(self) -> torch.Tensor:
+        """Whether each sample of this epoch from ``start_index`` on is mirrored (bool, on
+        the host)."""
+        gen = torch.Generator().manual_seed(derived_seed(self.seed, 0, self.epoch, self.rank))
+        return (torch.rand(self.num_samples, generator=gen) < 0.5)[self.start_index:]
+
+    def __iter__(self) -> Iterator:
+        indices = itertools.islice(iter(self.sampler), self.start_index, None)
+        return zip(indices, self.flips().tolist()) if self.pairs else indices
 
     def __len__(self) -> int:
-        return len(self.sampler) - self.start_index
+        return max(0, self.num_samples - self.start_index)
 
 
 def one_process_sampler(size: int, seed: int, world_size: int = 1) -> DistributedSampler:

@@ -7,8 +7,8 @@ does per image in PIL on the host is done on the device for the whole batch:
     images_u8[indices] -> flip (train) -> resize (bilinear, antialias) -> float, normalise
 
 No DataLoader, no workers, no copy and no host sync per step: the epoch's order goes to the
-device in one asynchronous copy, and its flips are drawn from a generator seeded by (seed,
-epoch, rank), so a resumed epoch gets the same ones. On the CPU the resize runs on uint8
+device in one asynchronous copy, and its flips are the sampler's, drawn from (seed, epoch,
+rank), so a resumed epoch gets the same ones. On the CPU the resize runs on uint8
 (it rounds like PIL: the classic path's pixels to one uint8 step), on CUDA in float32. The
 order is the classic path's sampler's, so both paths agree sample for sample. CIFAR10 and
 FakeData take this path; ImageFolder stays on the classic one.
@@ -27,7 +27,7 @@ from torch.utils.data import Sampler, TensorDataset
 
 from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD, IndexSampler,
                        ResumableSampler, check_cifar_root, cifar10, one_process_sampler)
-from .ranks import DistInfo, derived_seed
+from .ranks import DistInfo
 from .errors import UserError
 
 
@@ -91,14 +91,12 @@ class DeviceLoader:
         self.images = images_u8.to(self.device).contiguous()
         self.labels = labels.to(self.device, torch.int64)
         self.batch_size, self.img_size = batch_size, img_size
-        self.train, self.rank = train, info.rank
+        self.train = train
         self.channels_last = channels_last
         self.dataset_size = n = images_u8.shape[0]
         if sampler is None:
             sampler = one_process_sampler(n, seed) if train else IndexSampler.shard(n, info)
         self.sampler = ResumableSampler(sampler) if train else sampler
-        # The flips follow the order's seed: the same seed, the same epoch of images.
-        self.seed = getattr(sampler, "seed", seed)
         # Normalize((x/255 - mean) / std) as x * scale + bias on the 0..255 values.
         std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1) * 255
         mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1) * 255
@@ -113,19 +111,17 @@ class DeviceLoader:
         return math.ceil(len(self.sampler) / self.batch_size)
 
     def _epoch_indices(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        indices = torch.tensor(list(self.sampler), dtype=torch.int64)
+        # The training sampler's flips, from (seed, epoch, rank) on the host and cut at its
+        # start_index: the classic path's, on any device, and in a resumed epoch exactly
+        # those of the interrupted one.
+        host = [torch.tensor(list(self.sampler), dtype=torch.int64)]
+        if self.train:
+            host.append(self.sampler.flips())
         if self.device.type == "cuda":
             # Pinned, so the copy is asynchronous: not even the epoch start waits for the GPU.
-            indices = indices.pin_memory()
-        indices = indices.to(self.device, non_blocking=True)
-        if not self.train:
-            return indices, None
-        # Flips for the whole epoch, then the same start_index cut as the sampler's:
-        # a resumed epoch gets exactly the flips the interrupted one would have had.
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(derived_seed(self.seed, 0, self.sampler.epoch, self.rank))  # 0: flips
-        flips = torch.rand(self.sampler.num_samples, generator=gen, device=self.device) < 0.5
-        return indices, flips[self.sampler.start_index:]
+            host = [t.pin_memory() for t in host]
+        on_device = [t.to(self.device, non_blocking=True) for t in host]
+        return on_device[0], (on_device[1] if self.train else None)
 
     def transform(self, batch_u8: torch.Tensor, flip: Optional[torch.Tensor] = None) -> torch.Tensor:
         """uint8 [B, 3, H, W] -> normalised float32 [B, 3, img_size, img_size] on the device."""
