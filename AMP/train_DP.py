@@ -65,7 +65,7 @@ def main(argv=None):
         for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
             stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
             if stats.stopped_at is not None:  # a signal: saved at that step, for --resume
-                run.save(checkpoint, epoch, step=stats.stopped_at)
+                run.save(checkpoint, epoch, stopped=stats)  # at that step, with the epoch so far
                 break
             correct, seen = run.validate(t).tolist()  # top-1 on the validation split
             scheduler.step(correct / seen)  # on validation accuracy (mode="max")

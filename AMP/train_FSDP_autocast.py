@@ -88,7 +88,7 @@ def main(argv=None):
             sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
             stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
             if stats.stopped_at is not None:  # a signal: every rank stopped at this step
-                run.save(checkpoint, epoch, step=stats.stopped_at)
+                run.save(checkpoint, epoch, stopped=stats)  # at that step, with the epoch so far
                 break
             counts = run.validate(t)  # tensor([correct, seen]) of this rank's shard
             dist.all_reduce(counts)  # summed: exact (the article divided each rank's own count)

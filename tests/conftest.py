@@ -56,6 +56,8 @@ Functions:
 ``clean_output(text)``: keep what a terminal would finally show on each line (the part
     after the last ``\\r``); drop blank lines and tqdm progress-bar lines.
 ``parse_accuracy(stdout)`` -> ``(correct, total)`` from the eval scripts' ``correct/total = acc``.
+``assert_no_traceback_of_ours(stdout, stderr)``: no traceback through the project's code in
+    either stream (torchrun's own report of its workers' exit is allowed).
 ``assert_clean_stderr(stderr)``: no traceback, no ``*Warning`` (DeprecationWarning,
     FutureWarning, UserWarning, ...), no ``warning:`` line other than ampkit's own
     "warning: this CPU has no native bfloat16" notice.
@@ -357,6 +359,15 @@ def assert_clean_stderr(stderr: str) -> None:
         assert "Warning" not in line, f"a warning was printed: {line!r}\n{text}"
         if line.lower().startswith("warning:"):
             assert line.startswith(OWN_WARNING), f"unexpected warning: {line!r}"
+
+
+def assert_no_traceback_of_ours(stdout: str, stderr: str) -> None:
+    """Neither stream of a run holds a traceback through the project's code (torchrun's
+    own report of a worker's exit status, its ChildFailedError, is torchrun's)."""
+    assert "Traceback" not in stdout, stdout[-3000:]
+    for tb in stderr.split("Traceback (most recent call last):")[1:]:
+        frames = re.findall(r'File "([^"]+)", line \d+', tb)  # "[rank1]:   File ..." too
+        assert not [f for f in frames if f.startswith(str(REPO_ROOT))], tb[:3000]
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import datetime
 import os
 import signal
 import socket
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -32,10 +32,12 @@ class StopVote:
     waiting in their next collective. So after every optimizer step each rank puts its
     :class:`StopFlag`'s signal (0: none) into an all-reduce (MAX) that runs in the
     background, and reads the previous step's, which has long arrived: a stop asked for
-    during step k ends step k + 1 on every rank, and every rank exits with the same status.
-    The vote travels on a gloo group of its own, as a CPU tensor, so reading it never waits
-    for the GPU (a read of a CUDA tensor would sync the host every step). In one process:
-    the flag itself, after the current step.
+    during step k ends step k + 1 on every rank. The first vote that finds a signal decides
+    the stop (the highest signal number, if ranks got different ones), the same on every
+    rank, and so the exit status (``StopFlag.agreed``). The vote travels on a gloo group of
+    its own, as a CPU tensor, so reading it never waits for the GPU (a read of a CUDA tensor
+    would sync the host every step). In one process: the flag itself, after the current
+    step. The rule around it: machinery/signals.py.
     """
 
     def __init__(self, flag: StopFlag, info: "DistInfo") -> None:
@@ -58,26 +60,67 @@ class StopVote:
         self._pending = None
         work.wait()  # it arrived during the step since it was cast: no wait in practice
         signum = int(votes.item())
-        if signum and not self.flag.requested:
-            self.flag.request(signal.Signals(signum).name, own=False)
+        if signum:
+            self.flag.agree(signal.Signals(signum).name)
         return bool(signum)
+
+    def _alone(self) -> bool:
+        if self.flag.requested:
+            self.flag.agree(self.flag.signal_name)
+        return self.flag.requested
 
     def after_step(self) -> bool:
         """After each optimizer step: True when every rank stops now."""
         if self.group is None:
-            return self.flag.requested
+            return self._alone()
         stop = self._count()
         self._cast()
         return stop
 
     def now(self) -> bool:
-        """At an epoch's end (blocking, once): whether any rank asked to stop by now; also
-        takes the pending vote, so none is left in flight."""
+        """At an epoch's end and at the run's (blocking): whether any rank asked to stop by
+        now; also takes the pending vote, so none is left in flight."""
         if self.group is None:
-            return self.flag.requested
+            return self._alone()
         stop = self._count()
         self._cast()
         return self._count() or stop
+
+
+def rank_random_states(info: DistInfo) -> List[dict]:
+    """Every rank's random streams (the CPU's, each visible GPU's), in rank order, on every
+    rank (a collective): what a resumed rank goes on drawing dropout from."""
+    cuda = info.device.type == "cuda"
+    mine = {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if cuda else None}
+    return info.gather([mine])
+
+
+def agree_on_resumed(loaded: Union[dict, str, None], info: DistInfo) -> None:
+    """After each rank loaded the checkpoint rank 0 chose: every rank must have read the same
+    bytes at the same point (``loaded``: its ``{"epoch", "step", "identity"}``; a string: why
+    it could not load it; None on every rank: a new run). Else every rank stops with one
+    line naming the first rank that differs (a collective)."""
+    if not info.distributed:
+        if isinstance(loaded, str):
+            raise UserError(loaded)
+        return
+    seen = info.gather([(socket.gethostname(), loaded)])
+    host0, first = seen[0]
+    for rank, (host, theirs) in enumerate(seen):
+        if isinstance(theirs, str):
+            raise UserError(f"rank {rank} on {host}: {theirs}")
+        if theirs != first:
+            raise UserError(f"rank 0 on {host0} resumed {_where(first)}, but rank {rank} on "
+                            f"{host} {_where(theirs)}: the checkpoint changed while the ranks "
+                            "read it, or they read different files; resume again")
+
+
+def _where(loaded: Optional[dict]) -> str:
+    if loaded is None:
+        return "started a new run"
+    return (f"loaded epoch {loaded['epoch']}, step {loaded['step']} of a {loaded['identity'][0]}"
+            f"-byte file (directory hash {loaded['identity'][1][:12]})")
 
 
 def seed_streams(seed: int, rank: int, cuda: bool) -> None:

@@ -85,17 +85,43 @@ class EpochStats:
     loss: float          # mean training loss over the epoch's finite steps (all ranks)
     images: int          # images trained on, all ranks together
     seconds: float       # wall time of the training loop alone
-    steps: int           # optimizer steps taken in this call
+    steps: int           # optimizer steps taken
     skipped: int         # steps GradScaler skipped because of inf/NaN gradients
     nonfinite: int       # steps whose loss or gradient norm was inf/NaN
     stopped_at: Optional[int] = None  # optimizer step within the epoch where a stop ended it
     data_seconds: float = 0.0  # part of `seconds` spent waiting for input (rank 0's)
     grad_norm_mean: float = float("nan")  # gradient norm before clipping, over the finite,
     grad_norm_max: float = float("nan")   # not skipped steps (rank 0's: the same on all ranks)
+    finite_images: int = 0  # the images of the steps the loss is the mean of
+    norm_steps: int = 0     # the steps the gradient norm is the mean of
 
     @property
     def images_per_s(self) -> float:
         return self.images / self.seconds if self.seconds > 0 else 0.0
+
+    def after(self, before: Optional["EpochStats"]) -> "EpochStats":
+        """The whole epoch: ``before`` (its steps up to a stop, in the stopped run) and
+        these, its steps since the resume; the stop is this part's."""
+        if before is None:
+            return self
+
+        def mean(a: float, n: int, b: float, m: int) -> float:  # of n a's and m b's
+            if not n or not m:  # one side's mean is NaN (of nothing)
+                return a if n else b
+            return (a * n + b * m) / (n + m)
+
+        norms = [x for x in (before.grad_norm_max, self.grad_norm_max) if not math.isnan(x)]
+        return EpochStats(
+            loss=mean(before.loss, before.finite_images, self.loss, self.finite_images),
+            images=before.images + self.images, seconds=before.seconds + self.seconds,
+            steps=before.steps + self.steps, skipped=before.skipped + self.skipped,
+            nonfinite=before.nonfinite + self.nonfinite, stopped_at=self.stopped_at,
+            data_seconds=before.data_seconds + self.data_seconds,
+            grad_norm_mean=mean(before.grad_norm_mean, before.norm_steps,
+                                self.grad_norm_mean, self.norm_steps),
+            grad_norm_max=max(norms) if norms else float("nan"),
+            finite_images=before.finite_images + self.finite_images,
+            norm_steps=before.norm_steps + self.norm_steps)
 
 
 @dataclass
@@ -162,14 +188,15 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
                     start_step: int = 0, log_every: int = 20, max_nonfinite: Optional[int] = 5,
                     stop: Optional[StopVote] = None, skipped: Optional[SkippedSteps] = None,
                     input_format: torch.memory_format = torch.preserve_format,
-                    profiler=None, accum_steps: int = 1) -> EpochStats:
+                    profiler=None, accum_steps: int = 1,
+                    before: Optional[EpochStats] = None) -> EpochStats:
     """Run ``step_fn`` on every window of ``accum_steps`` batches of ``loader``: one optimizer
     step each. ``start_step``, ``log_every`` and the progress bar count optimizer steps.
     ``stop``: the ranks' vote, taken after every step (no host sync); when it says so, the
     epoch ends there on every rank (``EpochStats.stopped_at``). ``max_nonfinite=None``: no
     divergence check (a GradScaler skips the bad steps instead); ``skipped`` counts those
-    skips, this call's own; ``profiler`` (a ``machinery.profiler.StepProfiler``) records
-    some steps."""
+    skips; ``profiler`` (a ``machinery.profiler.StepProfiler``) records some steps.
+    ``before``: a resumed epoch's figures up to its stop, which the returned ones include."""
     device = info.device
     tally, skipped = Tally(device), skipped or SkippedSteps(None, device)
     skipped.count.zero_()  # this call's skips; the scaler's last scale carries over
@@ -199,7 +226,8 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
     if stop is not None and stop.now() and stopped_at is None:  # asked during the last step
         stopped_at = step
     return _epoch_stats(tally, skipped, info, max_nonfinite, step, t0,
-                        dict(steps=steps_done, stopped_at=stopped_at, data_seconds=data_seconds))
+                        dict(steps=steps_done, stopped_at=stopped_at,
+                             data_seconds=data_seconds)).after(before)
 
 
 def _epoch_stats(tally: Tally, skipped: SkippedSteps, info: DistInfo,
@@ -219,7 +247,8 @@ def _epoch_stats(tally: Tally, skipped: SkippedSteps, info: DistInfo,
     return EpochStats(loss=loss_total / finite_images if finite_images else nan,
                       images=int(images), seconds=seconds, skipped=int(n_skipped),
                       nonfinite=int(nonfinite), grad_norm_mean=norms[0] / norms[1]
-                      if norms[1] else nan, grad_norm_max=norms[2] if norms[1] else nan, **kw)
+                      if norms[1] else nan, grad_norm_max=norms[2] if norms[1] else nan,
+                      finite_images=int(finite_images), norm_steps=int(norms[1]), **kw)
 
 
 def _host_check(tally: Tally, bar: tqdm, info: DistInfo, max_nonfinite: Optional[int],

@@ -13,6 +13,7 @@ bookkeeping the loop calls.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -23,12 +24,13 @@ import torch
 from torch import nn
 from torch.utils.data import Sampler
 
-from .distributed import StopVote, seed_streams, single_process_device
+from .distributed import (StopVote, agree_on_resumed, rank_random_states, seed_streams,
+                          single_process_device)
 from .engine import EpochStats, Parts, Technique, count_correct
 from .machinery import checkpoint as ckpt_io
 from .machinery.data import build_loaders, report_skipped
 from .machinery.datasets import one_process_sampler
-from .machinery.errors import Interrupted
+from .machinery.errors import Interrupted, UserError
 from .machinery.flops import achieved, run_peak, training_flops_per_image
 from .machinery.log import RunLogger, epoch_row, header_line, summary_line
 from .machinery.memory import reset_peak_memory
@@ -99,7 +101,12 @@ class EpochBook:
         return dict(info=info, desc=f"epoch {epoch + 1}/{args.epochs}", start_step=step0,
                     log_every=args.log_every, max_nonfinite=None if self.t.scaler else 5,
                     stop=self.vote, skipped=self.skipped, input_format=self.input_format,
-                    profiler=profiler, accum_steps=args.accum_steps)
+                    profiler=profiler, accum_steps=args.accum_steps, before=self._before(epoch))
+
+    def _before(self, epoch: int) -> Optional[EpochStats]:
+        """A resumed epoch's figures up to the stop (None: the epoch starts here)."""
+        so_far = self.resumed.so_far if epoch == self.resumed.epoch else None
+        return EpochStats(**so_far) if so_far else None
 
     def validate(self, t: Technique) -> torch.Tensor:
         """``tensor([correct, seen])`` of this rank's shard of the validation split (every
@@ -108,40 +115,54 @@ class EpochBook:
                              input_format=self.input_format, image_shape=self.image_shape)
 
     def save(self, checkpoint: Checkpoint, epochs_done: int, val_acc: Optional[float] = None,
-             step: int = 0) -> None:
+             stopped: Optional[EpochStats] = None) -> None:
         """After ``epochs_done`` epochs: last.pth as ``--save_every`` says, best.pth at a new
-        best. ``step``: a stop ``step`` steps into the next epoch, saved now. Every rank
-        calls ``checkpoint()`` when something is saved (FSDP2 gathers its shards there);
-        rank 0 writes, in the background. A signal during validation stops the run here."""
+        best; then the ranks' epoch-end stop vote (a signal during validation or this save):
+        a stop is saved now, unless last.pth is this point already. ``stopped``: the
+        figures of an epoch a stop ended, saved at its step now. Every rank calls
+        ``checkpoint()`` when something is saved (FSDP2 gathers its shards there); rank 0
+        writes, in the background."""
         self.save_timing = {}
-        if step:
-            self.saver.save(partial(self._state, checkpoint, epochs_done, step, None),
+        if stopped is not None:
+            step = stopped.stopped_at
+            self.saver.save(partial(self._state, checkpoint, epochs_done, step, None, stopped),
                             epochs_done, is_best=False, now=True, step=step)
             self.stopped_at = (epochs_done, step)
             return
         if val_acc > self.best_acc:
             self.best_acc, self.best_epoch = val_acc, epochs_done
-        stop = self.vote.now() and epochs_done < self.args.epochs  # the last one ends anyway
-        self.save_timing = self.saver.save(
-            partial(self._state, checkpoint, epochs_done, 0, val_acc), epochs_done,
-            is_best=self.best_epoch == epochs_done, now=stop)
-        self.stopped_at = (epochs_done, 0) if stop else None
+        state = partial(self._state, checkpoint, epochs_done, 0, val_acc, None)
+        self.save_timing = self.saver.save(state, epochs_done,
+                                           is_best=self.best_epoch == epochs_done)
+        if self.vote.now():  # every rank, after every epoch's save
+            if self.saver.last_saved == (epochs_done, 0):
+                self.saver.wait()  # the save just made is the stop's
+            else:
+                self.saver.save(state, epochs_done, is_best=False, now=True)
+            self.stopped_at = (epochs_done, 0)
 
     def _state(self, checkpoint: Checkpoint, epoch: int, step: int, val_acc: Optional[float],
-               resume: bool) -> dict:
+               stopped: Optional[EpochStats], resume: bool) -> dict:
         counters = {"epoch": epoch, "step": step, "best_acc": self.best_acc,
                     "best_epoch": self.best_epoch, "val_acc": val_acc}
-        return checkpoint_state(checkpoint(), self.args, self.info, counters,
-                                self.data.num_classes, resume)
+        if stopped is not None:
+            counters["epoch_so_far"] = dataclasses.asdict(stopped)
+        saved = checkpoint()  # every rank (FSDP2 gathers), then every rank's streams:
+        streams = rank_random_states(self.info) if resume else None  # both collectives
+        return checkpoint_state(saved, self.args, self.info, counters, self.data.num_classes,
+                                streams)
 
     def log(self, epoch: int, stats: EpochStats, counts) -> None:
         """The epoch's line (rank 0), its row in log.jsonl, its TensorBoard scalars."""
-        self.train_seconds += stats.seconds
-        self.train_flops += stats.images * self.flops_per_image
+        before = self._before(epoch)  # a resumed epoch's part before its stop
+        seconds_before, images_before = (before.seconds, before.images) if before else (0.0, 0)
+        self.train_seconds += stats.seconds - seconds_before  # this process's own
+        self.train_flops += (stats.images - images_before) * self.flops_per_image
         t0, lr, reset = self.epoch_start
         skipped = (report_skipped(self.logger, self.info, self.loader, self.data.val)
                    if self.args.skip_bad_images else 0)
-        row = epoch_row(epoch, stats, [int(c) for c in counts], lr, time.perf_counter() - t0,
+        seconds = time.perf_counter() - t0 + seconds_before
+        row = epoch_row(epoch, stats, [int(c) for c in counts], lr, seconds,
                         self.args, self.info, self.t.scaler, skipped, self.dp, reset)
         row |= achieved(stats.images * self.flops_per_image, stats.seconds, self.peak,
                         self.devices)
@@ -166,7 +187,7 @@ class Run(EpochBook):
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # a fixed input size: let cuDNN pick kernels
         self.run_dir, self.lock, self.tb_dir = _folders(args, info)
-        path = agreed_resume_path(args, self.run_dir, info)
+        path = agreed_resume_path(args, self.run_dir, info)  # rank 0's choice, every rank's file
         self.data = build_loaders(args.dataset, args.dataset_root, args.img_size,
                                   args.batch_size, info, loader=args.loader,
                                   num_workers=args.num_workers, channels_last=args.channels_last,
@@ -177,8 +198,14 @@ class Run(EpochBook):
         self.parts = _parts(args, info, self.data.num_classes, self.input_format)
         self.flops_per_image = training_flops_per_image(self.parts.model, self.image_shape,
                                                         device, self.input_format)
-        self.resumed = Resumed() if path is None else load_resume(
-            path, args, self.parts.model, device, info.world_size, info.is_main)
+        self.resumed, failed = Resumed(), None
+        try:
+            if path is not None:
+                self.resumed = load_resume(path, args, self.parts.model, device,
+                                           info.world_size, info.rank)
+        except UserError as e:  # this rank's: every rank stops, in one line
+            failed = str(e)
+        agree_on_resumed(failed or self.resumed.loaded, info)
         if path is None and args.init_from is not None:
             init = ckpt_io.resolve(args.init_from, "--init_from")
             ckpt_io.load_weights(self.parts.model, ckpt_io.load(init), init)
@@ -207,26 +234,28 @@ class Run(EpochBook):
             raise Interrupted(*self.saver.abandon()) from None
 
     def _finish(self) -> int:
-        """The run's last line; the exit status (a stop: 128 + its signal)."""
+        """The run's last lines; the exit status (a stop: 128 + its signal)."""
+        trained = self.resumed.epoch < self.args.epochs
+        if self.stopped_at is None and trained:
+            self.saver.finish()  # the last save, which may still be in flight
+            if self.vote.now():  # the run's last vote: a signal during the last epoch's end
+                self.stopped_at = (self.args.epochs, 0)
+            mean = achieved(self.train_flops, self.train_seconds, self.peak, self.devices)
+            self.logger.print(summary_line(self.args, time.perf_counter() - self.t_start,
+                                           self.train_seconds, self.best_acc, self.best_epoch,
+                                           self.run_dir, self.tb_dir, mean))
         if self.stopped_at is not None:
             self.logger.print(stopped_line(self.stop, *self.stopped_at,
-                                           self.run_dir / ckpt_io.LAST))
-            return exit_status(self.stop.signal_name)
-        if self.resumed.epoch >= self.args.epochs:  # nothing was trained
-            return 0
-        self.saver.finish()  # the last save, which may still be in flight
-        mean = achieved(self.train_flops, self.train_seconds, self.peak, self.devices)
-        self.logger.print(summary_line(self.args, time.perf_counter() - self.t_start,
-                                       self.train_seconds, self.best_acc, self.best_epoch,
-                                       self.run_dir, self.tb_dir, mean))
+                                           self.run_dir / ckpt_io.LAST, self.args.epochs))
+            return exit_status(self.stop.agreed)
         return 0
 
     def _close(self, finished: bool) -> None:
         """Handlers, logs and the run folder released. ``finished`` (every rank got to the
         end): first all ranks wait for each other, so that none tears down its connections
         while a peer still uses them. Not after a failure, when a peer may be gone."""
-        if self.signals is not None:
-            self.signals.restore(exiting=self.stopped_at is not None and self.info.world_size > 1)
+        if self.signals is not None:  # a rank of several ignores them as it exits, whatever
+            self.signals.restore(exiting=self.info.world_size > 1)  # the end: its status stands
         if self.logger is not None:
             self.logger.close()
         if finished:

@@ -10,9 +10,13 @@ Environment:
                          (saying on stderr which thread was writing it).
   FAULT_SLOW_SAVE=N      the N-th checkpoint file is written slowly (a slow disk): half of it,
                          then FAULT_MARKER is created, and the write goes on 60 s later.
-  FAULT_SIGTERM_AT_LOSS=N  this process sends itself SIGTERM (FAULT_SIGNAL=SIGINT: Ctrl-C)
-                         as it computes its N-th training loss (one per micro-batch): a stop
-                         in the middle of a step; with FAULT_RANK, on that rank only.
+  FAULT_SIGTERM_AT_LOSS=N  this process sends itself SIGTERM (FAULT_SIGNAL=SIGINT: Ctrl-C,
+                         or SIGUSR1) as it computes its N-th training loss (one per
+                         micro-batch): a stop in the middle of a step; with FAULT_RANK, on that
+                         rank only; with FAULT_TO_GROUP=1, to its whole process group, as a
+                         scheduler signals a job (its DataLoader workers too).
+  FAULT_EXIT_FILE=PATH   each process writes the status it exits with (its SystemExit's) to
+                         PATH.<RANK>: where torchrun, stopped by a signal itself, reports none.
   FAULT_SLOW_EXIT=S      every rank but FAULT_RANK sleeps S seconds as its interpreter exits:
                          FAULT_RANK exits first, and torchrun's SIGTERM to the others (which
                          it sends once a worker has failed) reaches them while they tear down.
@@ -21,6 +25,7 @@ import atexit
 import importlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -59,7 +64,10 @@ if sigterm_at_loss and os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK
     def loss_forward(self, *args, **kwargs):
         global losses
         losses += 1
-        if losses == sigterm_at_loss:
+        if losses == sigterm_at_loss and os.environ.get("FAULT_TO_GROUP") == "1":
+            # From another process, as a scheduler's: `kill -- -PGID` (it is in the group).
+            subprocess.run(["kill", f"-{stop_signal.name[3:]}", "--", f"-{os.getpgid(0)}"])
+        elif losses == sigterm_at_loss:
             os.kill(os.getpid(), stop_signal)
         return original_loss(self, *args, **kwargs)
 
@@ -90,4 +98,12 @@ if kill_in_save or slow_save:
     torch.save = save  # looked up by ampkit.machinery.checkpoint.atomic_save at call time
 
 if __name__ == "__main__":
-    importlib.import_module(sys.argv[1]).main(sys.argv[2:])
+    exit_file = os.environ.get("FAULT_EXIT_FILE")
+    try:
+        importlib.import_module(sys.argv[1]).main(sys.argv[2:])
+    except SystemExit as e:
+        if exit_file:
+            Path(f"{exit_file}.{os.environ.get('RANK', '0')}").write_text(str(e.code))
+        raise
+    if exit_file:
+        Path(f"{exit_file}.{os.environ.get('RANK', '0')}").write_text("0")

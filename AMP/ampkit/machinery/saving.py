@@ -1,7 +1,8 @@
 """When a run saves, and what: the save policy and the checkpoint's content.
 
 - ``last.pth``: the full state after an epoch, or at a stop: the script's unwrapped weights,
-  optimizer, LR schedule and GradScaler, the counters, RNG and the run's flags; written as
+  optimizer, LR schedule and GradScaler, the counters, every rank's random streams and the
+  run's flags; written as
   ``--save_every`` says, after the last epoch, and at a stop.
 - ``best.pth``: weights and metadata at the best validation accuracy; a best epoch between
   two saves of last.pth waits in memory and is written after the next one, so there is
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -22,27 +23,24 @@ from . import checkpoint as ckpt_io
 from .config import args_to_plain, parse_interval
 
 # What only resuming needs: last.pth has it, best.pth (weights and metadata) does not.
-RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng")
+RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng", "epoch_so_far")
 
 
 def checkpoint_state(saved: Dict[str, Any], args, info: DistInfo, counters: Dict[str, Any],
-                     num_classes: int, resume: bool) -> Dict[str, Any]:
+                     num_classes: int, random_states: Optional[List[dict]]) -> Dict[str, Any]:
     """The checkpoint's content (live tensors): the script's ``saved`` (``model``: its
     unwrapped weights, ``optimizer``, ``scheduler``, ``scaler``), ``counters`` (epoch, step,
-    best_acc, best_epoch, val_acc) and the run's metadata; ``resume``: with what only
-    resuming needs. A wrapper's prefix still in a key (DataParallel around
-    ``model.features``, autocast's wrapper in DataParallel's replicas) is dropped."""
-    device = info.device
+    best_acc, best_epoch, val_acc; at a stop the epoch's figures so far) and the run's
+    metadata; with ``random_states`` (every rank's, in rank order), what only resuming
+    needs. A wrapper's prefix still in a key (DataParallel around ``model.features``,
+    autocast's wrapper in DataParallel's replicas) is dropped."""
     state = {"model": ckpt_io.strip_prefixes(saved["model"]), "arch": args.arch, **counters,
              "num_classes": num_classes, "variant": args.variant,
              "world_size": info.world_size, "args": args_to_plain(args),
              "torch_version": str(torch.__version__)}
-    if resume:
+    if random_states is not None:
         state |= {"optimizer": saved["optimizer"], "scheduler": saved["scheduler"],
-                  "scaler": saved.get("scaler"),
-                  "rng": {"torch": torch.get_rng_state(),
-                          "cuda": (torch.cuda.get_rng_state(device)
-                                   if device.type == "cuda" else None)}}
+                  "scaler": saved.get("scaler"), "rng": random_states}
     return state
 
 
@@ -61,6 +59,7 @@ class SavePolicy:
         self.snapshots = {"last": ckpt_io.Snapshot(), "best": ckpt_io.Snapshot()}
         self.pending_best: Optional[Dict[str, Any]] = None
         self.last_save = time.perf_counter()
+        self.last_saved: Optional[tuple] = None  # (epoch, step) of the last last.pth submitted
 
     def due(self, epoch: int, now: bool) -> bool:
         """Whether last.pth is written after ``epoch`` epochs (the same answer on every rank)."""
@@ -83,7 +82,7 @@ class SavePolicy:
         t0 = time.perf_counter()
         state = make_state(resume=due)  # every rank: FSDP2 gathers its shards here
         if due:
-            self.last_save = time.perf_counter()
+            self.last_save, self.last_saved = time.perf_counter(), (epoch, step)
         if not self.info.is_main:
             return {}
         if is_best:
@@ -105,6 +104,10 @@ class SavePolicy:
         """Whether --save_every's time has come, on any rank's clock: all ranks agree."""
         due = torch.tensor(int(time.perf_counter() - self.last_save >= self.every_seconds))
         return bool(self.info.all_reduce_max(due.to(self.info.device)).item())
+
+    def wait(self) -> None:
+        """Until the save in flight, if any, is written."""
+        self.writer.wait()
 
     def finish(self) -> None:
         """Wait for the last save; remove the spare files (rank 0)."""

@@ -1,0 +1,130 @@
+"""Stops as schedulers send them: a signal to a whole process group (the DataLoader workers
+included), one process or DDP under torchrun, SIGTERM and SLURM's SIGUSR1; then --resume
+finishes the run -- and at 2 ranks it ends bit for bit as the run that never stopped.
+Real interpreters: what is tested is the processes' exit status, streams and teardown."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import (FSDP_ARCH, PYTHON, REPO_ROOT, assert_no_traceback_of_ours, clean_output,
+                      kill_job, run_script)
+from test_resume_exact import _assert_equal_states
+from test_world_size import _exit_codes, _torchrun
+
+HELPER = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
+pytestmark = pytest.mark.slow
+
+
+def _flags(root, ckpt, *extra):
+    return ["--dataset", "ImageFolder", "--dataset_root", str(root), "--img_size", "32",
+            "--checkpoint", str(ckpt), "--no-tensorboard", "--no-cuda", "--num_workers", "2",
+            *[str(e) for e in extra]]
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_a_signal_to_the_whole_group_with_loader_workers_stops_one_process(
+        imagefolder_root, tmp_path):
+    """SIGTERM to the process group in the middle of step 3 -- the main process and its two
+    DataLoader workers, as a terminal's Ctrl-C or `kill -- -PGID` reaches them: the workers
+    ignore it, the step finishes, last.pth is saved, exit 143; --resume goes on to the end."""
+    ckpt = tmp_path / "ckpt"
+    flags = _flags(imagefolder_root, ckpt, "--arch", "shufflenet_v2_x0_5", "--batch_size", "8",
+                   "--epochs", "2")
+    res = subprocess.run([PYTHON, str(HELPER), "train_without", *flags], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=300, start_new_session=True,
+                         env=dict(os.environ, FAULT_SIGTERM_AT_LOSS="3", FAULT_TO_GROUP="1"))
+    code, out, err = res.returncode, clean_output(res.stdout), clean_output(res.stderr)
+    assert code == 143, err[-3000:]
+    assert "stopped by SIGTERM at epoch 1, step 3" in out, out
+    assert_no_traceback_of_ours(out, err)
+    code, out, err = run_script("train_without", *flags, "--resume")
+    assert code == 0 and "resumed from" in out and "done: train_without, 2 epochs" in out, err
+    assert_no_traceback_of_ours(out, err)
+
+
+@pytest.mark.parametrize("sig,handled", [
+    ("SIGTERM", []),  # preemption, scancel, a time limit: torchrun passes it on by default
+    ("SIGUSR1", ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]),  # SLURM's warning
+])
+def test_a_signal_to_a_whole_torchrun_job_stops_every_rank_and_resumes(sig, handled,
+                                                                       imagefolder_root,
+                                                                       tmp_path):
+    """The signal to every process of the job, as a scheduler sends it: torchrun passes it
+    on to each worker's process group (loader workers included), every rank exits 128 +
+    signal with the stop saved and the epochs before it logged; --resume finishes the run."""
+    ckpt = tmp_path / "ckpt"
+    run_dir = ckpt / "train_DDP"
+    flags = _flags(imagefolder_root, ckpt, "--arch", "shufflenet_v2_x0_5", "--batch_size", "4",
+                   "--epochs", "3")  # 6 steps an epoch
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *handled, str(HELPER), "train_DDP", *flags]  # each rank's exit status, to files
+    exits = tmp_path / "exit"
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", FAULT_EXIT_FILE=str(exits)))
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "log.jsonl").exists():  # epoch 1 is done
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        kill_job(proc.pid, getattr(signal, sig))  # the whole job: torchrun is its leader
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc.pid, signal.SIGKILL)
+    out = clean_output(out)
+    stopped = re.search(rf"stopped by {sig} (?:at epoch (\d), step (\d)|after epoch (\d));", out)
+    assert stopped, out + err[-3000:]
+    epochs, step = ((int(stopped.group(1)) - 1, int(stopped.group(2))) if stopped.group(1)
+                    else (int(stopped.group(3)), 0))
+    status = str(128 + getattr(signal, sig))
+    assert [(tmp_path / f"exit.{rank}").read_text() for rank in (0, 1)] == [status] * 2, \
+        err[-3000:]
+    # torchrun reports the signal it got (its own traceback); the workers print none.
+    assert_no_traceback_of_ours(out, err)
+    state = _load(run_dir / "last.pth")
+    assert (state["epoch"], state["step"]) == (epochs, step), "both ranks stopped, rank 0 saved"
+    logged = [json.loads(row)["epoch"] for row in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, epochs + 1))
+    if sig == "SIGUSR1":
+        res = _torchrun(2, REPO_ROOT / "AMP" / "train_DDP.py", *flags, "--resume")
+        assert res.returncode == 0 and "done: train_DDP, 3 epochs" in res.stdout, \
+            res.stderr[-3000:]
+        assert _load(run_dir / "last.pth")["epoch"] == 3
+
+
+def test_ddp_stop_and_resume_ends_bit_for_bit_as_the_run_that_never_stopped(
+        imagefolder_root, tmp_path):
+    """fp32 on the CPU, 2 ranks, a network with dropout, the classic path with two workers
+    per rank, 6 steps an epoch. The run that stops gets SIGTERM to rank 1's process group
+    (its loader workers too) in step 3 of epoch 1: the vote cast after step 3 is read after
+    step 4, where both ranks stop and exit 143. Resumed, each rank goes on drawing from its
+    own random stream, and the run ends as the one that never stopped."""
+    flags = ["--arch", FSDP_ARCH, "--batch_size", "4", "--epochs", "2", "--lr", "1e-3"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    res = _torchrun(2, REPO_ROOT / "AMP" / "train_DDP.py", *_flags(imagefolder_root, whole, *flags))
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = _torchrun(2, HELPER, "train_DDP", *_flags(imagefolder_root, stopped, *flags),
+                    env={"FAULT_SIGTERM_AT_LOSS": "3", "FAULT_RANK": "1", "FAULT_TO_GROUP": "1"})
+    out = clean_output(res.stdout)
+    assert "stopped by SIGTERM (sent to another rank) at epoch 1, step 4" in out, \
+        out + res.stderr[-3000:]
+    assert _exit_codes(res.stderr) == {0: 143, 1: 143}, res.stderr[-3000:]
+    assert_no_traceback_of_ours(out, res.stderr)
+    res = _torchrun(2, REPO_ROOT / "AMP" / "train_DDP.py",
+                    *_flags(imagefolder_root, stopped, *flags), "--resume")
+    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
+    want, got = (_load(folder / "train_DDP" / "last.pth") for folder in (whole, stopped))
+    for key in ("model", "optimizer", "epoch", "step", "best_acc"):
+        _assert_equal_states(got[key], want[key], key)
