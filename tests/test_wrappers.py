@@ -29,7 +29,7 @@ def _saved(model: nn.Module) -> dict:
     bare = model.module if isinstance(model, nn.DataParallel) else model
     args = SimpleNamespace(arch="alexnet", variant="train_DP")
     return checkpoint_state({"model": bare.state_dict()}, args, DistInfo(torch.device("cpu")),
-                            {}, 3, resume=False)["model"]
+                            {}, 3, random_states=None)["model"]
 
 
 def test_dp_on_features_only_saves_bare_keys_and_runs():

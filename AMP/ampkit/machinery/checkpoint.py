@@ -14,15 +14,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import shutil
 import socket
+import struct
 import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -261,13 +263,24 @@ class BackgroundWriter:
 
 def load(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:
     """Load a checkpoint safely; return a dict with at least ``model`` (a state dict)."""
+    return load_with_identity(path, map_location)[0]
+
+
+def load_with_identity(path: Path, map_location: Any = "cpu"
+                       ) -> Tuple[Dict[str, Any], Tuple[int, str]]:
+    """:func:`load`, and the :func:`identity` of the very bytes it read (one open file)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such checkpoint file")
     try:
-        with warnings.catch_warnings():  # odd pickle protocols in a foreign file warn first
-            warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location=map_location, weights_only=True)
+        with open(path, "rb") as f:
+            ident = identity(f)
+            f.seek(0)
+            with warnings.catch_warnings():  # odd pickle protocols in a foreign file warn first
+                warnings.simplefilter("ignore")
+                obj = torch.load(f, map_location=map_location, weights_only=True)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror or _first_line(e)})") from None
     except Exception as e:  # whatever the unpickler raises on bytes that are not a checkpoint
         raise UserError(f"{path}: {_load_failure(e)}") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
@@ -278,7 +291,40 @@ def load(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:
         raise UserError(f"{path}: not a checkpoint (expected a dict with model weights, "
                         f"found {type(obj).__name__})")
     ckpt["model"] = strip_prefixes(ckpt["model"])
-    return ckpt
+    return ckpt, ident
+
+
+_END_OF_DIRECTORY = struct.Struct("<4s4H2LH")        # zip's end of central directory record
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")
+_ZIP64_END = struct.Struct("<4sQ2H2L4Q")
+
+
+def identity(f: BinaryIO) -> Tuple[int, str]:
+    """What tells two checkpoints apart without reading them whole: the file's size and a
+    hash of its zip central directory -- every record's name, size and CRC-32 (the
+    weights', ``data.pkl``'s and the serialization id torch.save writes anew each time),
+    found from the end record, whatever the number of records. A copy (scp, cp: a new
+    modification time) is the same file; another save is not. A file that is not a zip:
+    the hash of all of it. OSError if it cannot be read."""
+    size = f.seek(0, os.SEEK_END)
+    tail_at = max(0, size - (_END_OF_DIRECTORY.size + 0xFFFF + _ZIP64_LOCATOR.size))
+    f.seek(tail_at)
+    tail = f.read()
+    end = tail.rfind(b"PK\x05\x06")
+    digest = hashlib.sha256()
+    if end < 0 or end + _END_OF_DIRECTORY.size > len(tail):
+        f.seek(0)
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+        return size, digest.hexdigest()
+    *_, dir_size, dir_at, _comment = _END_OF_DIRECTORY.unpack_from(tail, end)
+    locator = end - _ZIP64_LOCATOR.size
+    if locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":  # zip64: its own record
+        f.seek(_ZIP64_LOCATOR.unpack_from(tail, locator)[2])
+        dir_size, dir_at = _ZIP64_END.unpack(f.read(_ZIP64_END.size))[-2:]
+    f.seek(dir_at)
+    digest.update(f.read(dir_size))
+    return size, digest.hexdigest()
 
 
 def _load_failure(e: Exception) -> str:

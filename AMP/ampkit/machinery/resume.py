@@ -7,7 +7,6 @@ the bare model before it is wrapped; the other states wait for the script's ``bu
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 from dataclasses import dataclass, field
@@ -41,7 +40,8 @@ def resume_path(args, run_dir: Path) -> Optional[Path]:
 def agreed_resume_path(args, run_dir: Path, info) -> Optional[Path]:
     """:func:`resume_path`, decided by global rank 0 and checked by every rank: each loads
     the file at its own path (its own ``--checkpoint``), which must be the one rank 0
-    resumes -- the same size and contents (:func:`_identity`). Rank 0 alone writes them, so
+    resumes -- the same size and zip directory (``checkpoint.identity``); a rank that
+    cannot read it stops every rank too. Rank 0 alone writes them, so
     on several nodes the folder must be shared (or copied): a node that sees no checkpoint,
     or another one, would start afresh or fail while its peers wait. Instead every rank
     stops with one line naming the first such rank, its host and its path. ``info``: the
@@ -56,11 +56,15 @@ def agreed_resume_path(args, run_dir: Path, info) -> Optional[Path]:
         return mine
     looked = str(mine or (Path(args.resume) if args.resume not in (None, "auto")
                           else run_dir / ckpt_io.LAST))
-    seen = info.gather([(socket.gethostname(), looked, mine is not None, error,
-                         _identity(mine))])
+    identity, unreadable = _identity(mine)
+    seen = info.gather([(socket.gethostname(), looked, mine is not None, error or unreadable,
+                         identity)])
     host0, path0, found0, error0, identity0 = seen[0]
     if error0 is not None:
         raise UserError(error0)  # every rank stops; rank 0 says why
+    for rank, (host, path, found, error, identity) in enumerate(seen):
+        if found and error is not None:  # it is there, but this rank cannot read it
+            raise UserError(f"rank {rank} on {host}: {error}")
     if not found0:
         return None  # a new run on every rank
     for rank, (host, path, found, error, identity) in enumerate(seen):
@@ -75,17 +79,15 @@ def agreed_resume_path(args, run_dir: Path, info) -> Optional[Path]:
     return mine
 
 
-def _identity(path: Optional[Path]) -> Optional[Tuple[int, str]]:
-    """What tells two checkpoints apart without reading them whole: the size, and a hash of
-    the last 64 KiB, where torch.save writes each save's own serialization id and the zip
-    directory with every record's CRC-32. A copy (scp, cp: a new modification time) is the
-    same file; another save is not."""
+def _identity(path: Optional[Path]) -> Tuple[Optional[Tuple[int, str]], Optional[str]]:
+    """(the checkpoint's :func:`ckpt_io.identity`, or None; why it cannot be read, or None)."""
     if path is None:
-        return None
-    with open(path, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-        f.seek(max(0, size - 2**16))
-        return size, hashlib.sha256(f.read()).hexdigest()
+        return None, None
+    try:
+        with open(path, "rb") as f:
+            return ckpt_io.identity(f), None
+    except OSError as e:
+        return None, f"cannot read {path} ({e.strerror or e})"
 
 
 def resume_mismatches(state: dict, args, world_size: int) -> List[str]:
@@ -122,13 +124,24 @@ class Resumed:
     best_epoch: int = -1
     states: Dict[str, Any] = field(default_factory=dict)  # optimizer, scheduler, scaler
     trained: Dict[str, Any] = field(default_factory=dict)  # the checkpoint's run's flags
+    identity: Optional[Tuple[int, str]] = None  # of the bytes loaded (checkpoint.identity)
+    so_far: Optional[Dict[str, Any]] = None  # a stopped epoch's figures up to its stop
+    streams: str = ""  # how this rank's random streams go on, when not as they were saved
+
+    @property
+    def loaded(self) -> Optional[Dict[str, Any]]:
+        """What every rank must have loaded alike (``distributed.agree_on_resumed``)."""
+        if self.path is None:
+            return None
+        return {"epoch": self.epoch, "step": self.step, "identity": self.identity}
 
 
 def load_resume(path: Path, args, model: nn.Module, device: torch.device,
-                world_size: int, is_main: bool) -> Resumed:
-    """Check ``path`` against this run, load its weights into the bare ``model`` and, on
-    rank 0, its RNG state (the other ranks keep their seed + rank streams)."""
-    state = ckpt_io.load(path, map_location="cpu")
+                world_size: int, rank: int) -> Resumed:
+    """Check ``path`` against this run, load its weights into the bare ``model`` and this
+    rank's random streams (dropout's, per GPU too), so that it goes on drawing where the
+    stopped run was."""
+    state, identity = ckpt_io.load_with_identity(path, map_location="cpu")
     if "optimizer" not in state:
         raise UserError(f"{path}: holds weights only (no optimizer state); cannot resume "
                         f"from it (--init_from {path} starts a new run from its weights)")
@@ -138,14 +151,31 @@ def load_resume(path: Path, args, model: nn.Module, device: torch.device,
                         f"with the same settings, or start a new run from its weights with "
                         f"--init_from {path}")
     ckpt_io.load_weights(model, state, path)
-    if is_main and "rng" in state:
-        torch.set_rng_state(state["rng"]["torch"])
-        if device.type == "cuda" and state["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+    streams = _restore_random_states(state.get("rng"), rank, world_size, device)
     return Resumed(path, int(state["epoch"]), int(state.get("step", 0)),
                    float(state.get("best_acc", -1.0)), int(state.get("best_epoch", -1)),
                    {k: state.get(k) for k in ("optimizer", "scheduler", "scaler")},
-                   state.get("args") or {})
+                   state.get("args") or {}, identity, state.get("epoch_so_far"), streams)
+
+
+def _restore_random_states(saved: Any, rank: int, world_size: int,
+                           device: torch.device) -> str:
+    """This rank's saved streams back (``saved``: one entry per rank; an older checkpoint's
+    dict: rank 0's alone). "" when restored; else what the streams are instead, in words."""
+    if isinstance(saved, dict):  # written before every rank's streams were saved
+        saved = [saved] if world_size == 1 else None
+    if not isinstance(saved, list) or len(saved) != world_size:
+        return (f"the random streams (dropout) start anew from --seed: the checkpoint holds "
+                f"{len(saved) if isinstance(saved, list) else 'no'} rank's streams, this run "
+                f"has {world_size} processes")
+    mine = saved[rank]
+    torch.set_rng_state(mine["torch"])
+    cuda = mine.get("cuda")
+    if device.type == "cuda" and cuda is not None:
+        cuda = cuda if isinstance(cuda, list) else [cuda]  # older: this device's alone
+        for index, state in enumerate(cuda[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, index)
+    return ""
 
 
 def load_states(resumed: Resumed, technique, scheduler, args) -> str:
@@ -196,6 +226,7 @@ def where_it_starts(resumed: Resumed, args, changed: str = "") -> Optional[str]:
                 f"--epochs {args.epochs}; nothing to do (raise --epochs to train on)")
     if resumed.path is not None:
         return (f"resumed from {resumed.path}: epoch {resumed.epoch + 1}, step {resumed.step}"
+                + (f"; {resumed.streams}" if resumed.streams else "")
                 + (f"\n{changed}" if changed else ""))
     if args.init_from is not None:
         return f"starting from the weights of {args.init_from} (epoch 1, a new optimizer)"
