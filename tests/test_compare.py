@@ -436,6 +436,9 @@ def test_peaks_by_gpu_name_and_none_for_an_unknown_one():
     assert peak_tflops("NVIDIA GeForce RTX 4090", "half") == 165
     assert peak_tflops("NVIDIA L40S", "fp32") == 91.6
     assert peak_tflops("Tesla T4", "half") is None
+    # A name is matched as whole words: an RTX A1000 laptop GPU is no A100.
+    assert peak_tflops("NVIDIA RTX A1000 6GB Laptop GPU", "half") is None
+    assert peak_tflops("NVIDIA A10", "half") is None
     assert fp32_peak_math("fp32") == "fp32" and fp32_peak_math("tf32 conv, fp32 matmul") == "tf32"
 
 
@@ -484,16 +487,21 @@ def _fake_children(monkeypatch, accuracies, fail=()):
 
 def test_seeds_give_every_run_a_row_and_each_variant_its_spread_and_verdict(
         tmp_path, monkeypatch, capsys):
-    """3 seeds of 3 variants: train_autocast beats train_without by 10 points on every
+    """3 seeds of 5 variants: train_autocast beats train_without by 10 points on every
     seed (beyond noise), train_GradScaler by a point up and down (within noise) and its
-    seed 1 fails: the table counts its 2 finished runs, the exit status is 1."""
+    seed 1 fails: the table counts its 2 finished runs, the exit status is 1. DDP's
+    variants are against DDP's own fp32 run (half the steps of one process's: another
+    accuracy), not against train_without's."""
     import compare
 
     accs = {("train_without", s): a for s, a in enumerate([0.70, 0.72, 0.71])}
     accs |= {("train_autocast", s): a for s, a in enumerate([0.81, 0.82, 0.80])}
     accs |= {("train_GradScaler", s): a for s, a in enumerate([0.72, 0.0, 0.70])}
+    accs |= {("train_DDP", s): a for s, a in enumerate([0.50, 0.52, 0.51])}
+    accs |= {("train_DDP_autocast", s): a for s, a in enumerate([0.51, 0.53, 0.52])}
     _fake_children(monkeypatch, accs, fail={("train_GradScaler", 1)})
-    code = compare.main(["--variants", "train_without,train_autocast,train_GradScaler",
+    code = compare.main(["--variants", "train_without,train_autocast,train_GradScaler,"
+                         "train_DDP,train_DDP_autocast",
                          "--seeds", "3", "--no-cuda", "--epochs", "2", "--no-tensorboard",
                          "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -502,12 +510,17 @@ def test_seeds_give_every_run_a_row_and_each_variant_its_spread_and_verdict(
     rows = list(csv.DictReader(open(run / "results.csv", newline="")))
     assert [(r["variant"], r["seed"]) for r in rows] == [
         (v, str(s)) for s in range(3) for v in ("train_without", "train_autocast",
-                                                 "train_GradScaler")]
+                                                 "train_GradScaler", "train_DDP",
+                                                 "train_DDP_autocast")]
     assert {r["status"] for r in rows if (r["variant"], r["seed"]) != ("train_GradScaler", "1")} \
         == {"ok"}
     table = out[out.index("Over 3 seeds:"):]
     line = {v: next(ln for ln in table.splitlines() if ln.startswith(f"| {v} |"))
-            for v in ("train_without", "train_autocast", "train_GradScaler")}
+            for v in ("train_without", "train_autocast", "train_GradScaler", "train_DDP",
+                      "train_DDP_autocast")}
+    assert "(the baseline)" in line["train_DDP"]
+    assert "+0.0100 ±" in line["train_DDP_autocast"], line["train_DDP_autocast"]
+    assert "within seed noise" in line["train_DDP_autocast"]
     assert "(the baseline)" in line["train_without"] and "3/3" in line["train_without"]
     assert "+0.1000 ±" in line["train_autocast"] and "beyond seed noise" in line["train_autocast"]
     assert "2/3 (seed 1 failed)" in line["train_GradScaler"]

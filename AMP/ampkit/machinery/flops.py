@@ -37,8 +37,8 @@ MATHS = ("half", "tf32", "fp32")
 def peak_tflops(gpu_name: str, math: str) -> Optional[float]:
     """One GPU's dense peak for ``math`` (``half``, ``tf32`` or ``fp32``); None if unknown."""
     column = MATHS.index(math) + 1
-    for row in PEAKS:
-        if re.search(row[0], gpu_name):
+    for row in PEAKS:  # whole words: an "RTX A1000" is no A100
+        if re.search(rf"\b{row[0]}\b", gpu_name):
             return float(row[column])
     return None
 
