@@ -37,7 +37,7 @@ SAMPLER_RECIPE = {"DistributedSampler(run.train_set", "sampler.set_epoch(epoch)"
                   "run.train_loader(sampler)"}
 # Each train script's epoch, DeiT's shape: train, validate, schedule, save, log.
 EPOCH = ["for epoch in run.epochs():", "train_one_epoch(t.step, loader, **run.loop(epoch))",
-         "run.save(checkpoint, epoch, step=stats.stopped_at)", "run.validate(t)",
+         "run.save(checkpoint, epoch, stopped=stats)", "run.validate(t)",
          "scheduler.step(correct / seen)", "run.save(checkpoint, epoch + 1, val_acc=correct / seen)",
          "run.log(epoch, stats, (correct, seen))"]
 
@@ -227,17 +227,31 @@ def test_no_function_imports_a_project_module():
 @pytest.mark.parametrize("name", [n for row in GRID for n in row] + ["train_FSDP_mixed"])
 def test_train_scripts_import_the_core_and_its_plumbing_alone(name):
     """What a train script imports, all the way down, is the training core and the machinery
-    it needs, and no more lines than that (about 3,500 with its docstrings, 2,200 of code):
-    not the benchmark's or compare's tools."""
+    it needs, and no more code than that (about 2,500 lines, docstrings, comments and blank
+    lines left out: what a reader follows, not what explains it): not the benchmark's or
+    compare's tools."""
     modules, graph = _graph()
     reached = _closure(name, graph)
     assert "ampkit.train" in reached and "ampkit.machinery.checkpoint" in reached, reached
     assert not {n for n in reached if _layer(n) in ("tools", "scripts")}, reached
-    lines = sum(len((AMP_DIR / (n.replace(".", "/") + ".py")).read_text().splitlines())
-                if (AMP_DIR / (n.replace(".", "/") + ".py")).exists()
-                else len((AMP_DIR / n.replace(".", "/") / "__init__.py").read_text().splitlines())
-                for n in reached | {name})
-    assert lines <= 3500, lines
+    files = [AMP_DIR / (n.replace(".", "/") + ".py") for n in reached | {name}]
+    lines = sum(_code_lines(f if f.exists() else f.with_suffix("") / "__init__.py")
+                for f in files)
+    assert lines <= 2600, lines
+
+
+def _code_lines(path) -> int:
+    """A module's lines of code: not blank, not a comment, not in a docstring."""
+    src = path.read_text()
+    docs = set()
+    for node in ast.walk(ast.parse(src)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for number, line in enumerate(src.splitlines(), 1)
+               if line.strip() and not line.strip().startswith("#") and number not in docs)
 
 
 def test_no_long_functions_or_classes():

@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from conftest import tiny_args
+
+# Each test runs the profiler over real steps (a few seconds each): the full suite's.
+pytestmark = pytest.mark.slow
 
 
 def _trace_events(path: Path) -> list:

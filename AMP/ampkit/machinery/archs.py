@@ -54,6 +54,7 @@ def check_input_size(arch: str, img_size: int) -> None:
         raise UserError(f"--img_size {img_size} does not suit --arch {arch}: {reason}")
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its flags: once per process
 def _meta_forward_problem(arch: str, img_size: int) -> Optional[str]:
     try:
         with torch.device("meta"), warnings.catch_warnings():
