@@ -1,6 +1,7 @@
 """Stops as schedulers send them: a signal to a whole process group (the DataLoader workers
-included), one process or DDP under torchrun, SIGTERM and SLURM's SIGUSR1; then --resume
-finishes the run -- and at 2 ranks it ends bit for bit as the run that never stopped.
+included), one process or a DDP job under torchrun; then --resume finishes the run -- and
+at 2 ranks it ends bit for bit as the run that never stopped. (SIGUSR1's stop and resume at
+2 ranks: test_stop_rule.py; through SLURM and torchrun: bench/slurm_check.sh.)
 Real interpreters: what is tested is the processes' exit status, streams and teardown."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from conftest import (FSDP_ARCH, PYTHON, REPO_ROOT, assert_no_traceback_of_ours, clean_output,
                       kill_job, run_script)
 from test_resume_exact import _assert_equal_states
-from test_world_size import _exit_codes, _torchrun
+from test_world_size import _torchrun
 
 HELPER = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
 pytestmark = pytest.mark.slow
@@ -53,78 +54,54 @@ def test_a_signal_to_the_whole_group_with_loader_workers_stops_one_process(
     assert_no_traceback_of_ours(out, err)
 
 
-@pytest.mark.parametrize("sig,handled", [
-    ("SIGTERM", []),  # preemption, scancel, a time limit: torchrun passes it on by default
-    ("SIGUSR1", ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]),  # SLURM's warning
-])
-def test_a_signal_to_a_whole_torchrun_job_stops_every_rank_and_resumes(sig, handled,
-                                                                       imagefolder_root,
-                                                                       tmp_path):
-    """The signal to every process of the job, as a scheduler sends it: torchrun passes it
-    on to each worker's process group (loader workers included), every rank exits 128 +
-    signal with the stop saved and the epochs before it logged; --resume finishes the run."""
-    ckpt = tmp_path / "ckpt"
+def test_sigterm_to_a_whole_torchrun_job_stops_it_and_the_resume_ends_bit_for_bit(
+        imagefolder_root, tmp_path):
+    """SIGTERM to every process of a torchrun job once epoch 1 is done, as a scheduler sends
+    it: torchrun passes it on to each worker's process group (loader workers included:
+    two per rank, on the classic path); every rank exits 143 with the stop saved and the
+    epochs before it logged. Resumed, each rank goes on drawing from its own random stream,
+    and the run ends -- fp32 on the CPU, a network with dropout -- with the weights and
+    optimizer state of the run that never stopped, bit for bit, wherever the stop fell."""
+    flags = ["--arch", FSDP_ARCH, "--batch_size", "4", "--epochs", "3", "--lr", "1e-3"]
+    whole, ckpt = tmp_path / "whole", tmp_path / "stopped"
+    res = _torchrun(2, REPO_ROOT / "AMP" / "train_DDP.py", *_flags(imagefolder_root, whole, *flags))
+    assert res.returncode == 0, res.stderr[-3000:]
+
     run_dir = ckpt / "train_DDP"
-    flags = _flags(imagefolder_root, ckpt, "--arch", "shufflenet_v2_x0_5", "--batch_size", "4",
-                   "--epochs", "3")  # 6 steps an epoch
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           *handled, str(HELPER), "train_DDP", *flags]  # each rank's exit status, to files
-    exits = tmp_path / "exit"
+           str(HELPER), "train_DDP", *_flags(imagefolder_root, ckpt, *flags)]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", FAULT_EXIT_FILE=str(exits)))
+                            text=True, start_new_session=True,  # each rank's exit status:
+                            env=dict(os.environ, OMP_NUM_THREADS="1",
+                                     FAULT_EXIT_FILE=str(tmp_path / "exit")))
     try:
         deadline = time.monotonic() + 180
         while not (run_dir / "log.jsonl").exists():  # epoch 1 is done
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
-        kill_job(proc.pid, getattr(signal, sig))  # the whole job: torchrun is its leader
+        kill_job(proc.pid, signal.SIGTERM)  # the whole job: torchrun leads its group
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             kill_job(proc.pid, signal.SIGKILL)
     out = clean_output(out)
-    stopped = re.search(rf"stopped by {sig} (?:at epoch (\d), step (\d)|after epoch (\d));", out)
+    stopped = re.search(r"stopped by SIGTERM (?:at epoch (\d), step (\d+)|after epoch (\d));",
+                        out)
     assert stopped, out + err[-3000:]
+    # torchrun, stopped by the signal itself, reports no worker's status: they wrote theirs.
+    assert [(tmp_path / f"exit.{rank}").read_text() for rank in (0, 1)] == ["143"] * 2, \
+        err[-3000:]
+    assert_no_traceback_of_ours(out, err)  # torchrun's own SignalException is torchrun's
     epochs, step = ((int(stopped.group(1)) - 1, int(stopped.group(2))) if stopped.group(1)
                     else (int(stopped.group(3)), 0))
-    status = str(128 + getattr(signal, sig))
-    assert [(tmp_path / f"exit.{rank}").read_text() for rank in (0, 1)] == [status] * 2, \
-        err[-3000:]
-    # torchrun reports the signal it got (its own traceback); the workers print none.
-    assert_no_traceback_of_ours(out, err)
     state = _load(run_dir / "last.pth")
     assert (state["epoch"], state["step"]) == (epochs, step), "both ranks stopped, rank 0 saved"
     logged = [json.loads(row)["epoch"] for row in (run_dir / "log.jsonl").read_text().splitlines()]
     assert logged == list(range(1, epochs + 1))
-    if sig == "SIGUSR1":
-        res = _torchrun(2, REPO_ROOT / "AMP" / "train_DDP.py", *flags, "--resume")
-        assert res.returncode == 0 and "done: train_DDP, 3 epochs" in res.stdout, \
-            res.stderr[-3000:]
-        assert _load(run_dir / "last.pth")["epoch"] == 3
 
-
-def test_ddp_stop_and_resume_ends_bit_for_bit_as_the_run_that_never_stopped(
-        imagefolder_root, tmp_path):
-    """fp32 on the CPU, 2 ranks, a network with dropout, the classic path with two workers
-    per rank, 6 steps an epoch. The run that stops gets SIGTERM to rank 1's process group
-    (its loader workers too) in step 3 of epoch 1: the vote cast after step 3 is read after
-    step 4, where both ranks stop and exit 143. Resumed, each rank goes on drawing from its
-    own random stream, and the run ends as the one that never stopped."""
-    flags = ["--arch", FSDP_ARCH, "--batch_size", "4", "--epochs", "2", "--lr", "1e-3"]
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    res = _torchrun(2, REPO_ROOT / "AMP" / "train_DDP.py", *_flags(imagefolder_root, whole, *flags))
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = _torchrun(2, HELPER, "train_DDP", *_flags(imagefolder_root, stopped, *flags),
-                    env={"FAULT_SIGTERM_AT_LOSS": "3", "FAULT_RANK": "1", "FAULT_TO_GROUP": "1"})
-    out = clean_output(res.stdout)
-    assert "stopped by SIGTERM (sent to another rank) at epoch 1, step 4" in out, \
-        out + res.stderr[-3000:]
-    assert _exit_codes(res.stderr) == {0: 143, 1: 143}, res.stderr[-3000:]
-    assert_no_traceback_of_ours(out, res.stderr)
     res = _torchrun(2, REPO_ROOT / "AMP" / "train_DDP.py",
-                    *_flags(imagefolder_root, stopped, *flags), "--resume")
-    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
-    want, got = (_load(folder / "train_DDP" / "last.pth") for folder in (whole, stopped))
+                    *_flags(imagefolder_root, ckpt, *flags), "--resume")
+    assert res.returncode == 0 and "done: train_DDP, 3 epochs" in res.stdout, res.stderr[-3000:]
+    want, got = (_load(folder / "train_DDP" / "last.pth") for folder in (whole, ckpt))
     for key in ("model", "optimizer", "epoch", "step", "best_acc"):
         _assert_equal_states(got[key], want[key], key)
