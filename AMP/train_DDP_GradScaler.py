@@ -48,7 +48,12 @@ def build(parts: Parts) -> Technique:
             with model.no_sync() if i < len(window) - 1 else contextlib.nullcontext():
                 loss += forward_backward(x, y, len(y) / n)
         scaler.unscale_(optimizer)  # once a step, before anything reads the gradients
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
+        # The norm before clipping, logged every epoch; only --clip_grad scales the
+        # gradients (clip_grad_norm_ would multiply them all by 1.0 without it).
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in model.parameters() if p.grad is not None])
+        if parts.clip_grad is not None:  # --clip_grad MAX_NORM: scaled down to it
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
         scaler.step(optimizer)  # skips the step if any gradient is inf/NaN
         scaler.update()         # halves the scale after a skip, grows it after good steps
         return loss, norm

@@ -45,7 +45,12 @@ def build(parts: Parts) -> Technique:
             # All but the last inside no_sync, forward too: one all-reduce a step.
             with model.no_sync() if i < len(window) - 1 else contextlib.nullcontext():
                 loss += forward_backward(x, y, len(y) / n)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
+        # The norm before clipping, logged every epoch; only --clip_grad scales the
+        # gradients (clip_grad_norm_ would multiply them all by 1.0 without it).
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in model.parameters() if p.grad is not None])
+        if parts.clip_grad is not None:  # --clip_grad MAX_NORM: scaled down to it
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
         optimizer.step()
         return loss, norm
 

@@ -51,9 +51,13 @@ def build(parts: Parts) -> Technique:
             model.set_reshard_after_backward(last)  # till then the gathered weights stay: no
             # gather again in the next micro-batch (measured: a quarter faster, docs/results.md)
             loss += forward_backward(x, y, len(y) / n)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
+        # The norm before clipping, logged every epoch; the shards' DTensor norm, whole.
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in model.parameters() if p.grad is not None]).full_tensor()
+        if parts.clip_grad is not None:  # --clip_grad MAX_NORM: scaled down to it
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
         optimizer.step()
-        return loss, norm.full_tensor()  # the norm of the shards' DTensors
+        return loss, norm
 
     return Technique(model, optimizer, train_step)
 

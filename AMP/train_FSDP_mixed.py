@@ -55,10 +55,14 @@ def build(parts: Parts) -> Technique:
             # gather again in the next micro-batch (measured: a quarter faster, docs/results.md)
             loss += forward_backward(x, y, len(y) / n)
         scaler.unscale_(optimizer)  # once a step, before anything reads the gradients
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), parts.clip_grad)
+        # The norm before clipping, logged every epoch; the shards' DTensor norm, whole.
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in model.parameters() if p.grad is not None]).full_tensor()
+        if parts.clip_grad is not None:  # --clip_grad MAX_NORM: scaled down to it
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
         scaler.step(optimizer)  # skips the step if any gradient is inf/NaN
         scaler.update()         # halves the scale after a skip, grows it after good steps
-        return loss, norm.full_tensor()  # the norm of the shards' DTensors
+        return loss, norm
 
     return Technique(model, optimizer, train_step,
                      scaler=scaler if scaler.is_enabled() else None, param_dtype=dtype)

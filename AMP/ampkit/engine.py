@@ -42,7 +42,7 @@ class Parts:
     dp_scope: str = "model"               # --dp_scope (DataParallel scripts)
     lr: float = 1e-4                      # --lr, for the script's optimizer
     arch: str = "alexnet"                 # --arch: the network's name, for messages
-    clip_grad: float = math.inf           # --clip_grad: the largest gradient norm (inf: any)
+    clip_grad: Optional[float] = None     # --clip_grad: the largest gradient norm (None: any)
 
     def __post_init__(self) -> None:
         if not isinstance(self.amp_dtype, torch.dtype):

@@ -14,7 +14,6 @@ bookkeeping the loop calls.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import time
 from functools import partial
@@ -291,4 +290,4 @@ def _parts(args, info: DistInfo, num_classes: int, memory_format: torch.memory_f
     check_dp_scope(model, args.dp_scope, args.arch)
     model = model.to(info.device, memory_format=memory_format)
     return Parts(info.device, model, nn.CrossEntropyLoss(), args.amp_dtype, args.dp_scope,
-                 lr=args.lr, arch=args.arch, clip_grad=args.clip_grad or math.inf)
+                 lr=args.lr, arch=args.arch, clip_grad=args.clip_grad)
