@@ -51,14 +51,16 @@ def test_background_writer_reports_an_error_at_the_next_wait(tmp_path):
 
 
 @pytest.mark.parametrize("save_every,expected", [
-    ("2", [("last.pth", 2), ("best.pth", 1), ("last.pth", 3), ("best.pth", 3)]),
-    ("1", [("last.pth", 1), ("best.pth", 1), ("last.pth", 2), ("last.pth", 3), ("best.pth", 3)]),
-    ("0", [("last.pth", 3), ("best.pth", 3)]),
+    ("2", [("last.pth", 2), ("best.pth", 1), ("last.pth", 3)]),
+    ("1", [("last.pth", 1), ("last.pth", 2), ("last.pth", 3)]),
+    ("0", [("last.pth", 3)]),
 ])
 def test_save_every_policy_and_background_thread(save_every, expected, imagefolder_root,
                                                  tmp_path, monkeypatch):
     """In-process, 3 epochs of one step. Validation accuracy is forced to 0.5, 0.4, 0.6:
-    epochs 1 and 3 are the best. A best epoch between saves is written by the next save."""
+    epochs 1 and 3 are the best. A best epoch that last.pth is written for gets best.pth as
+    a second name of that file (nothing more written); one between saves is written, its
+    weights, by the next save."""
     import train_without
     from ampkit import train
 
@@ -88,4 +90,21 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
     assert {thread for *_, thread in writes} == {"checkpoint"}, "written in the background"
     run_dir = tmp_path / "train_without"
     assert torch.load(run_dir / "best.pth", weights_only=True)["val_acc"] == pytest.approx(0.6)
+    assert (run_dir / "best.pth").stat().st_ino == (run_dir / "last.pth").stat().st_ino
     assert [p.name for p in run_dir.glob(".*")] == [".lock"], "no spare or temporary file left"
+
+
+def test_best_is_a_second_name_that_the_next_saves_leave_alone(tmp_path):
+    """best.pth names epoch 1's last.pth; the saves of epochs 2 and 3 (whose spare-file
+    rotation rewrites the version before the current one in place) leave it whole."""
+    last, best = tmp_path / "last.pth", tmp_path / "best.pth"
+    writer = ckpt_io.BackgroundWriter()
+    for epoch in (1, 2, 3):
+        state = {"epoch": epoch, "w": torch.full((1000,), float(epoch))}
+        files = [(state, last)] + ([ckpt_io.Link(last, best, fallback=state)] if epoch == 1
+                                   else [])
+        writer.submit(files)
+        writer.wait()
+    assert torch.load(last, weights_only=True)["epoch"] == 3
+    kept = torch.load(best, weights_only=True)
+    assert kept["epoch"] == 1 and torch.equal(kept["w"], torch.ones(1000))

@@ -97,12 +97,12 @@ def test_sigkill_mid_epoch_then_resume_completes(imagefolder_root, tmp_path):
 def test_sigkill_during_save_keeps_previous_checkpoint(imagefolder_root, tmp_path):
     ckpt = tmp_path / "ckpt"
     run_dir = ckpt / "train_GradScaler"
-    # Saves: epoch 1 -> best (1), last (2); epoch 2 -> best? (3), last. Kill in the 3rd write.
-    env = {"FAULT_KILL_IN_SAVE": "3"}
+    # Writes: epoch 1 -> last.pth (1; best.pth names it); epoch 2 -> last.pth (2): killed.
+    env = {"FAULT_KILL_IN_SAVE": "2"}
     rc, out, err = _run_faulty("train_GradScaler",
                                *_tiny(imagefolder_root, ckpt, "--epochs", "2"), env=env)
     assert rc == -signal.SIGKILL
-    assert "killed in save 3 on thread checkpoint" in err, err  # the background writer
+    assert "killed in save 2 on thread checkpoint" in err, err  # the background writer
     assert list(run_dir.glob(".*.tmp")), "the killed save should have left its temp file"
     before = _load(run_dir / "last.pth")       # the previous checkpoint is intact
     assert before["epoch"] == 1
@@ -124,11 +124,11 @@ def test_second_ctrl_c_during_a_save_ends_cleanly(imagefolder_root, tmp_path):
     the previous last.pth intact, no temporary file left, one line saying what was saved."""
     ckpt, marker = tmp_path / "ckpt", tmp_path / "saving"
     run_dir = ckpt / "train_without"
-    # Writes: epoch 1 -> last.pth (1), best.pth (2); epoch 2 -> last.pth (3), slowly.
+    # Writes: epoch 1 -> last.pth (1; best.pth names it); epoch 2 -> last.pth (2), slowly.
     cmd = [PYTHON, str(HELPER), "train_without",
            *_tiny(imagefolder_root, ckpt, "--epochs", "6")]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, FAULT_SLOW_SAVE="3",
+                            text=True, env=dict(os.environ, FAULT_SLOW_SAVE="2",
                                                 FAULT_MARKER=str(marker)))
     _wait_for(marker.exists, 120, proc)
     proc.send_signal(signal.SIGINT)

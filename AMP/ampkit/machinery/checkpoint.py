@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
@@ -62,6 +63,8 @@ def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
     """
     path = Path(path)
     spare_path = path.with_name(f".{path.name}.spare")
+    if spare and spare_path.is_file() and spare_path.stat().st_nlink > 1:
+        spare_path.unlink()  # its file is best.pth's too (link_or_write): not to be rewritten
     check_space(obj, path, spare_path if spare and spare_path.is_file() else None)
     if spare and spare_path.is_file():
         tmp, f = spare_path, open(spare_path, "r+b")
@@ -84,9 +87,13 @@ def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
                 raise DiskFull(path, needed, free) from None
             raise UserError(f"cannot save {path}: the write failed ({_first_line(e)})") from None
         raise
-    # Persist the rename itself (the directory entry).
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Persist a rename in ``folder`` (its directory entry)."""
     with contextlib.suppress(OSError):
-        dfd = os.open(path.parent, os.O_RDONLY)
+        dfd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
@@ -158,6 +165,29 @@ def _replace(new: Path, path: Path, spare: Optional[Path]) -> None:
     os.replace(keep, spare)
 
 
+@dataclass
+class Link:
+    """A file the background writer makes a second name of: ``target`` for ``source``'s
+    file (see :func:`link_or_write`)."""
+    source: Path
+    target: Path
+    fallback: Any  # what ``target`` gets written with where there are no hard links
+
+
+def link_or_write(link: Link) -> None:
+    """``link.target`` as a second name for ``link.source``'s file, atomically, nothing
+    written (a hard link, renamed over the target); where the file system has no hard
+    links, ``link.fallback`` written to it instead."""
+    tmp = link.target.with_name(f".{link.target.name}.{os.getpid()}.link.tmp")
+    try:
+        os.link(link.source, tmp)
+    except OSError:
+        atomic_save(link.fallback, link.target, spare=True)
+        return
+    os.replace(tmp, link.target)
+    _fsync_folder(link.target.parent)
+
+
 def remove_spares(folder: Path) -> None:
     """Delete the spare copies that ``atomic_save(spare=True)`` keeps between saves."""
     for spare in Path(folder).glob(".*.pth.spare"):
@@ -217,12 +247,13 @@ class BackgroundWriter:
         self.write_seconds: Optional[float] = None  # duration of the last finished write
         self.landed = landed  # the label of the last first file written in full
 
-    def submit(self, files: List[Tuple[Any, Path]], label: str = "") -> None:
-        """Start writing ``files`` (snapshots) in this order, once the previous save is done.
+    def submit(self, files: List[Any], label: str = "") -> None:
+        """Start writing ``files`` (``(snapshot, path)``, or a :class:`Link` to make) in this
+        order, once the previous save is done.
         A save that cannot fit on its disk fails here, in the caller's thread, at once.
         ``label`` says what the first file holds, for :attr:`landed`."""
         self.wait()
-        for obj, path in files:
+        for obj, path in (f for f in files if not isinstance(f, Link)):
             spare = path.with_name(f".{path.name}.spare")
             check_space(obj, path, spare if spare.is_file() else None)
         self._done.clear()
@@ -247,11 +278,14 @@ class BackgroundWriter:
             raise error
         return time.perf_counter() - t0
 
-    def _write(self, files: List[Tuple[Any, Path]], label: str) -> None:
+    def _write(self, files: List[Any], label: str) -> None:
         t0 = time.perf_counter()
         try:
-            for i, (obj, path) in enumerate(files):
-                atomic_save(obj, path, spare=True)
+            for i, item in enumerate(files):
+                if isinstance(item, Link):
+                    link_or_write(item)
+                else:
+                    atomic_save(*item, spare=True)
                 if i == 0:
                     self.landed = label
         except BaseException as e:  # raised in the training thread by the next wait()

@@ -4,9 +4,11 @@
   optimizer, LR schedule and GradScaler, the counters, every rank's random streams and the
   run's flags; written as
   ``--save_every`` says, after the last epoch, and at a stop.
-- ``best.pth``: weights and metadata at the best validation accuracy; a best epoch between
-  two saves of last.pth waits in memory and is written after the next one, so there is
-  never a best.pth without a last.pth to resume from.
+- ``best.pth``: the checkpoint of the best validation accuracy. When that epoch is one
+  last.pth is written for (every epoch by default), best.pth is a second name for that
+  very file (a hard link: nothing more is written, and it holds the full state); a best
+  epoch between two saves of last.pth waits in memory, weights and metadata, and is
+  written after the next one. There is never a best.pth without a last.pth to resume from.
 - Every rank makes the state (FSDP2 gathers it); global rank 0 alone writes, in the
   background.
 """
@@ -85,15 +87,17 @@ class SavePolicy:
             self.last_save, self.last_saved = time.perf_counter(), (epoch, step)
         if not self.info.is_main:
             return {}
-        if is_best:
-            self.pending_best = self.snapshots["best"].take(
-                {k: x for k, x in state.items() if k not in RESUME_ONLY})
+        if is_best and not due:  # kept in memory until the next save of last.pth
+            self.pending_best = self.snapshots["best"].take(_weights(state))
         if due:  # last.pth first: a best.pth never stands without a last.pth to resume from
-            best = ([(self.pending_best, self.run_dir / ckpt_io.BEST)] if self.pending_best
-                    else [])
+            last, best = self.run_dir / ckpt_io.LAST, self.run_dir / ckpt_io.BEST
+            files = [(self.snapshots["last"].take(state), last)]
+            if is_best:  # best.pth: a second name for this very file, nothing more written
+                files.append(ckpt_io.Link(last, best, fallback=_weights(files[0][0])))
+            elif self.pending_best is not None:
+                files.append((self.pending_best, best))
             self.pending_best = None
-            self.writer.submit([(self.snapshots["last"].take(state),
-                                 self.run_dir / ckpt_io.LAST)] + best, _describe(epoch, step))
+            self.writer.submit(files, _describe(epoch, step))
             self.writing = _describe(epoch, step)
             if now:
                 self.writer.wait()
@@ -129,6 +133,11 @@ class SavePolicy:
                     + f"; the save of {self.writing} was cut short and not kept", True)
         return (f"{path} holds {holds}; nothing after it was saved" if holds
                 else "nothing was saved"), False
+
+
+def _weights(state: Dict[str, Any]) -> Dict[str, Any]:
+    """A checkpoint's weights and metadata, without what only resuming needs."""
+    return {k: x for k, x in state.items() if k not in RESUME_ONLY}
 
 
 def _describe(epoch: int, step: int) -> str:
