@@ -11,6 +11,7 @@ the same files every time. Pixels (0-16) are scaled to 0-255, grey in all three 
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -37,7 +38,14 @@ def write_digits(root: Path, val_fraction: float = 0.2, seed: int = 0) -> Path:
     return root
 
 
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="digits.py", description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="where train/ and val/ go (a new folder)")
+    root = parser.parse_args(argv).folder
+    if root.exists() and any(root.iterdir()):
+        sys.exit(f"digits.py: error: {root} is not empty: give a new folder")
+    print(write_digits(root))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python AMP/tools/digits.py FOLDER")
-    print(write_digits(Path(sys.argv[1])))
+    main()
