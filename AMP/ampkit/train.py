@@ -195,8 +195,7 @@ class Run(EpochBook):
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
         self.image_shape = (3, args.img_size, args.img_size)
         self.parts = _parts(args, info, self.data.num_classes, self.input_format)
-        self.flops_per_image = training_flops_per_image(self.parts.model, self.image_shape,
-                                                        device, self.input_format)
+        self.flops_per_image = training_flops_per_image(self.parts.model, self.image_shape)
         self.resumed, failed = Resumed(), None
         try:
             if path is not None:

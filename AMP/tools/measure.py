@@ -236,7 +236,7 @@ def _built(variant: str, res: StepResult, device: torch.device, num_classes: int
     pool = [(torch.randn(b, 3, px, px, generator=gen).to(device, memory_format=fmt),
              torch.randint(0, num_classes, (b,), generator=gen).to(device))
             for _ in range(min(4, max(res.steps * res.accum_steps, 1)))]
-    flops = training_flops_per_image(model, (3, px, px), device, fmt) * b
+    flops = training_flops_per_image(model, (3, px, px)) * b
     t = importlib.import_module(variant).build(
         Parts(device, model, nn.CrossEntropyLoss(), amp_dtype, res.dp_scope or "model", lr=lr,
               arch=res.arch))
