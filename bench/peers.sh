@@ -4,20 +4,23 @@
 # (bench/peers/lightning_digits.py), each timed as a whole process (wall seconds: start-up,
 # imports, data, 3 epochs of training and validation, a checkpoint every epoch, exit), at 1
 # process and at 2 CPU processes (gloo), ROUNDS rounds, interleaved: the order of the three
-# rotates from round to round. Prints each round's walls and a table of the medians: the
-# peers' median and smallest ratio to the project's wall of the same round.
+# rotates from round to round. Prints each round's walls and CPU seconds, and a table of
+# the medians of each: the peers' median and smallest ratio to the project's figure of the
+# same round. On a shared machine whose speed drifts from minute to minute the CPU seconds
+# (user + system, GNU time's, every process of the job) move less than the walls.
 #
 #   bash bench/peers.sh                       # ROUNDS=3; about 5 minutes a round on 2 cores
 #   ROUNDS=1 OUT=/tmp/peers bash bench/peers.sh
 #
 # Needs: the project's requirements, scikit-learn (AMP/tools/digits.py writes the data set)
-# and the peers: pip install -r bench/requirements-peers.txt. A CPU; no network.
+# and the peers: pip install -r bench/requirements-peers.txt; GNU time at /usr/bin/time
+# (Debian's package time). A CPU; no network.
 # PRECISION (default bf16): fp32 runs the job without autocast (train_without.py and
 # train_DDP.py, accelerate's mixed_precision="no", Lightning's "32-true"), for a CPU without
 # bf16 instructions (AVX2 only: there oneDNN's bf16 backward of AlexNet takes ~40 s a step
 # against 0.7 s in fp32, measured on an AMD EPYC with torch 2.14.1).
 # Optional: OUT (default a new folder under /tmp): times.csv (round,job,processes,position,
-# wall_s), versions.txt and each job's log, round by round; DATA (default OUT/digits, written
+# wall_s,cpu_s), versions.txt and each job's log, round by round; DATA (default OUT/digits, written
 # once if absent); EPOCHS (default 3: the job; fewer only to try the script); KEEP=1 keeps
 # the checkpoints (otherwise each job's is checked, then deleted: ~0.7-0.9 GB a job).
 # The 2-process jobs run with OMP_NUM_THREADS=1 (torchrun sets it for the project's workers;
@@ -55,6 +58,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+[ -x /usr/bin/time ] || { echo "peers.sh: needs GNU time at /usr/bin/time (Debian: apt-get install time)"; exit 2; }
 ROUNDS=${ROUNDS:-3}
 EPOCHS=${EPOCHS:-3}
 PRECISION=${PRECISION:-bf16}
@@ -71,7 +75,7 @@ print(f"python {platform.python_version()} torch {torch.__version__} torchvision
       f"{lightning.__version__}; {torch.get_num_threads()} threads")
 EOF
 echo "peers.sh: $ROUNDS round(s) of $EPOCHS epoch(s), $PRECISION, into $OUT; $(cat "$OUT/versions.txt")"
-echo "round,job,processes,position,wall_s" > "$CSV"
+echo "round,job,processes,position,wall_s,cpu_s" > "$CSV"
 
 COMMON=(--dataset ImageFolder --dataset_root "$DATA" --img_size 64 --arch alexnet
         --epochs "$EPOCHS" --batch_size 64 --no-tensorboard --no-cuda --seed 0)
@@ -121,11 +125,10 @@ for ((r = 1; r <= ROUNDS; r++)); do
       name=$impl$n
       job "$impl" "$n" "$dir/$name"
       echo "${JOB[*]}" > "$dir/$name.cmd"
-      t0=$(date +%s.%N)
       rc=0
-      "${JOB[@]}" > "$dir/$name.log" 2>&1 || rc=$?
-      t1=$(date +%s.%N)
-      wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }')
+      /usr/bin/time -f "%e %U %S" -o "$dir/$name.time" "${JOB[@]}" > "$dir/$name.log" 2>&1 || rc=$?
+      read -r wall user sys < <(tail -n 1 "$dir/$name.time")
+      cpu=$(awk -v u="$user" -v s="$sys" 'BEGIN { printf "%.2f", u + s }')
       if [ "$rc" -ne 0 ] || ! grep -q '^done' "$dir/$name.log" || ! saved "$impl" "$dir/$name"; then
         echo "peers.sh: round $r, $name failed (exit status $rc, or no done: line or checkpoint):"
         echo "  ${JOB[*]}"
@@ -133,8 +136,8 @@ for ((r = 1; r <= ROUNDS; r++)); do
         exit 1
       fi
       [ "${KEEP:-0}" = 1 ] || rm -rf "$dir/$name"
-      echo "$r,$impl,$n,$((k + 1)),$wall" >> "$CSV"
-      line="$line $name ${wall}s"
+      echo "$r,$impl,$n,$((k + 1)),$wall,$cpu" >> "$CSV"
+      line="$line $name ${wall}s (cpu ${cpu}s)"
     done
   done
   echo "$line"
@@ -143,18 +146,20 @@ done
 python - "$CSV" <<'EOF'
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
-wall = {(int(r["round"]), r["job"], int(r["processes"])): float(r["wall_s"]) for r in rows}
-rounds = sorted({k[0] for k in wall})
-print(f"\nwhole-process wall seconds, median of {len(rounds)} round(s); peer/project: the median "
-      "and the smallest of the rounds' ratios")
-print(f"{'job':<12} | {'project':>8} | {'accelerate':>27} | {'Lightning':>27}")
-for n in (1, 2):
-    cells = [f"{statistics.median(wall[r, 'project', n] for r in rounds):7.1f}s"]
-    for peer in ("accelerate", "lightning"):
-        ratios = [wall[r, peer, n] / wall[r, "project", n] for r in rounds]
-        med = statistics.median(wall[r, peer, n] for r in rounds)
-        cells.append(f"{med:7.1f}s (x{statistics.median(ratios):.2f}, min x{min(ratios):.2f})")
-    print(f"{f'{n} process' + ('es' if n > 1 else ''):<12} | {cells[0]:>8} | {cells[1]:>27} | "
-          f"{cells[2]:>27}")
+rounds = sorted({int(r["round"]) for r in rows})
+for column, what in (("wall_s", "whole-process wall seconds"),
+                     ("cpu_s", "CPU seconds (user + system, every process of the job)")):
+    t = {(int(r["round"]), r["job"], int(r["processes"])): float(r[column]) for r in rows}
+    print(f"\n{what}, median of {len(rounds)} round(s); peer/project: the median and the "
+          "smallest of the rounds' ratios")
+    print(f"{'job':<12} | {'project':>8} | {'accelerate':>27} | {'Lightning':>27}")
+    for n in (1, 2):
+        cells = [f"{statistics.median(t[r, 'project', n] for r in rounds):7.1f}s"]
+        for peer in ("accelerate", "lightning"):
+            ratios = [t[r, peer, n] / t[r, "project", n] for r in rounds]
+            med = statistics.median(t[r, peer, n] for r in rounds)
+            cells.append(f"{med:7.1f}s (x{statistics.median(ratios):.2f}, min x{min(ratios):.2f})")
+        print(f"{f'{n} process' + ('es' if n > 1 else ''):<12} | {cells[0]:>8} | {cells[1]:>27} | "
+              f"{cells[2]:>27}")
 EOF
 echo "raw times: $CSV"
