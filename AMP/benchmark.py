@@ -33,7 +33,7 @@ from typing import List, Optional
 
 import torch
 
-from ampkit.distributed import want_cuda
+from ampkit.machinery.devices import want_cuda
 from ampkit.machinery.archs import check_arch_flags
 from ampkit.machinery.config import AMP_DTYPES, DATA_DIR, Parser
 from ampkit.machinery.data import default_workers

@@ -53,7 +53,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch  # only to see the devices; the children do the work
 
-from ampkit.distributed import want_cuda
+from ampkit.machinery.devices import want_cuda
 from ampkit.machinery.archs import check_arch_flags
 from ampkit.machinery.config import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
                                      train_parser)

@@ -9,6 +9,8 @@ would silently compute in fp16 there. The article decorated AlexNet's forward wi
 @autocast(); here what DataParallel replicates (the model, or model.features) re-enters
 autocast with the run's dtype in every thread, for any --arch (autocast_replicas).
 """
+import sys
+
 import torch
 
 from ampkit.engine import Parts, Technique, train_one_epoch
@@ -70,7 +72,13 @@ def main(argv=None):
                     "scheduler": scheduler.state_dict()}
 
         for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
-            stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
+            start_step = run.begin_epoch(epoch)  # its clock; a resumed epoch's first step
+            stats = train_one_epoch(  # the script's step on every window of the epoch
+                t.step, loader, run.info, accum_steps=args.accum_steps, start_step=start_step,
+                before=run.so_far(epoch), stop=run.vote, skipped=run.skipped,
+                max_nonfinite=5,  # 5 inf/NaN losses in a row: diverged
+                log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
+                input_format=run.input_format, profiler=run.profiler(epoch))
             if stats.stopped_at is not None:  # a signal: saved at that step, for --resume
                 run.save(checkpoint, epoch, stopped=stats)  # at that step, with the epoch so far
                 break
@@ -78,7 +86,8 @@ def main(argv=None):
             scheduler.step(correct / seen)  # on validation accuracy (mode="max")
             run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
             run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
+    return run.status  # 0, or 128 + the signal after a stop
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

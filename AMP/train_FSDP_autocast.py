@@ -9,6 +9,8 @@ is gathered, is train_FSDP_mixed.py. Sharding: train_FSDP.py.
 Pitfall: --batch_size is per process. float16 without a scaler may underflow:
 train_FSDP_GradScaler.py, or --amp_dtype bfloat16.
 """
+import sys
+
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -90,7 +92,13 @@ def main(argv=None):
 
         for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
             sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
-            stats = train_one_epoch(t.step, loader, **run.loop(epoch))  # the script's step
+            start_step = run.begin_epoch(epoch)  # its clock; a resumed epoch's first step
+            stats = train_one_epoch(  # the script's step on every window of the epoch
+                t.step, loader, run.info, accum_steps=args.accum_steps, start_step=start_step,
+                before=run.so_far(epoch), stop=run.vote, skipped=run.skipped,
+                max_nonfinite=5,  # 5 inf/NaN losses in a row: diverged
+                log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
+                input_format=run.input_format, profiler=run.profiler(epoch))
             if stats.stopped_at is not None:  # a signal: every rank stopped at this step
                 run.save(checkpoint, epoch, stopped=stats)  # at that step, with the epoch so far
                 break
@@ -101,7 +109,8 @@ def main(argv=None):
             run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
             run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
     dist.destroy_process_group()  # leave the group (the article never did)
+    return run.status  # 0, or 128 + the signal after a stop
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

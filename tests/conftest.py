@@ -321,7 +321,7 @@ def run_main(name: str, *args, env: Optional[Dict[str, str]] = None) -> ScriptRe
                 contextlib.redirect_stderr(err):
             warnings.simplefilter("default")  # each one once, as a fresh interpreter shows it
             try:
-                module.main(argv)
+                code = module.main(argv) or 0  # a train script's status: 128 + a stop's signal
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
                 if isinstance(e.code, str):

@@ -24,8 +24,7 @@ def _main(script: str, argv: list, capsys) -> tuple:
     import importlib
 
     try:
-        importlib.import_module(script).main([str(a) for a in argv])
-        code = 0
+        code = importlib.import_module(script).main([str(a) for a in argv]) or 0
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
@@ -88,6 +87,7 @@ def test_another_arch_under_ddp_autocast_and_exact_eval(imagefolder_root, tmp_pa
     assert parse_accuracy(ev.stdout) == (int(correct), int(total)) and int(total) == IF_VAL_SIZE
 
 
+@pytest.mark.slow
 def test_mobilenet_under_dp_gradscaler_and_eval(imagefolder_root, tmp_path, capsys):
     args = tiny_args(tmp_path, imagefolder_root, batch_size=48) + ["--arch", "mobilenet_v3_small"]
     code, out, err = _main("train_DP_GradScaler", args, capsys)

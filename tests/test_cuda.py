@@ -75,8 +75,7 @@ def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
     .item(), a blocking copy, GradScaler reading its inf flag) raises. ``vote``: in an
     NCCL group, with the ranks' stop vote after every step (on its gloo group, a CPU
     tensor: reading it must not wait for the GPU)."""
-    from ampkit.distributed import StopVote
-    from ampkit.machinery.ranks import DistInfo
+    from ampkit.distributed import StopVote, this_process
     from ampkit.engine import train_one_epoch
     from ampkit.machinery.signals import StopFlag
     from ampkit.precision import SkippedSteps
@@ -105,7 +104,7 @@ def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
         torch.cuda.set_sync_debug_mode("default")  # before the epoch-end reduction
 
     try:
-        info = DistInfo.of(dev)
+        info = this_process(dev)
         assert info.distributed == vote
         stats = train_one_epoch(v.step, stream(), info, log_every=1000,
                                 skipped=SkippedSteps(v.scaler, dev), input_format=cl,

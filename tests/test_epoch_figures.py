@@ -23,8 +23,7 @@ def _run(script: str, argv: list, capsys) -> tuple:
     import importlib
 
     try:
-        importlib.import_module(script).main([str(a) for a in argv])
-        code = 0
+        code = importlib.import_module(script).main([str(a) for a in argv]) or 0
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
@@ -59,6 +58,7 @@ def test_skipped_steps_are_each_epochs_own():
     assert t.scaler.get_scale() < 2.0 ** 127
 
 
+@pytest.mark.slow
 def test_peak_memory_is_each_epochs_own(imagefolder_root, tmp_path, capsys, monkeypatch):
     """1.5 GB held for a moment in epoch 1 only: epoch 2's peak must not show it. (On a GPU
     the same reset applies to max_memory_allocated.)"""
@@ -103,7 +103,8 @@ def torchrun_env_of_one(monkeypatch):
         monkeypatch.setenv(name, value)
 
 
-@pytest.mark.parametrize("script", ["train_without", "train_DDP"])
+@pytest.mark.parametrize("script", ["train_without",
+                                    pytest.param("train_DDP", marks=pytest.mark.slow)])
 def test_every_epoch_trains_in_a_new_order(script, imagefolder_root, tmp_path, capsys,
                                            monkeypatch, torchrun_env_of_one):
     """The DDP script's own sampler.set_epoch(epoch), and the trainer's for a one-process
@@ -134,6 +135,7 @@ def test_several_processes_without_a_distributed_sampler_are_refused():
         one_process_sampler(10, 0, world_size=2)
 
 
+@pytest.mark.slow
 def test_a_log_file_gets_a_few_progress_lines_not_one_per_step(imagefolder_root, tmp_path):
     """Where stderr is not a terminal (a log file, SLURM, compare.py's children), the bars
     redraw at most every LOG_REDRAW_S seconds: 48 images in batches of 2 are 24 steps an
@@ -146,6 +148,7 @@ def test_a_log_file_gets_a_few_progress_lines_not_one_per_step(imagefolder_root,
     assert res.raw_stderr.count("\r") <= 8, res.raw_stderr.count("\r")
 
 
+@pytest.mark.slow
 def test_each_epoch_reports_its_achieved_tflops_and_share_of_the_peak(imagefolder_root,
                                                                      tmp_path):
     """TFLOP/s = the images trained x one image's forward and backward FLOPs (counted here

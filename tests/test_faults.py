@@ -36,8 +36,7 @@ def _main(script: str, argv: list, capsys) -> tuple:
     import importlib
 
     try:
-        importlib.import_module(script).main(argv)
-        code = 0
+        code = importlib.import_module(script).main(argv) or 0
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
@@ -291,6 +290,7 @@ def _first_run(imagefolder_root, tmp_path, capsys, *extra) -> Path:
     return tmp_path / "ckpt" / "train_without"
 
 
+@pytest.mark.slow
 def test_full_disk_is_found_before_writing(imagefolder_root, tmp_path, capsys, monkeypatch):
     run_dir = _first_run(imagefolder_root, tmp_path, capsys)
     before = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"]
@@ -375,6 +375,7 @@ def test_log_survives_a_kill_mid_write(tmp_path):
 
 
 # ------------------------------------------------------------------ 6, 7, 9: resume checks
+@pytest.mark.slow
 def test_resume_from_another_variant_is_refused_init_from_starts_anew(imagefolder_root,
                                                                        tmp_path, capsys):
     run_dir = _first_run(imagefolder_root, tmp_path, capsys)
@@ -390,6 +391,7 @@ def test_resume_from_another_variant_is_refused_init_from_starts_anew(imagefolde
     assert f"starting from the weights of {other}" in out and "epoch 1/1" in out, out
 
 
+@pytest.mark.slow
 def test_resume_with_other_data_or_size_says_what_differs(imagefolder_root, cifar_root, tmp_path,
                                                           capsys):
     run_dir = _first_run(imagefolder_root, tmp_path, capsys)
@@ -403,6 +405,7 @@ def test_resume_with_other_data_or_size_says_what_differs(imagefolder_root, cifa
     assert torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"] == 1
 
 
+@pytest.mark.slow
 def test_resume_with_another_global_batch_is_refused(imagefolder_root, tmp_path, capsys):
     _first_run(imagefolder_root, tmp_path, capsys)
     argv = _args(imagefolder_root, tmp_path / "ckpt", "--resume", "--epochs", "2")
@@ -420,6 +423,7 @@ def _log_lrs(run_dir: Path) -> list:
     return [json.loads(line)["lr"] for line in (run_dir / "log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_resume_says_which_flags_changed_and_which_learning_rate_wins(imagefolder_root,
                                                                       tmp_path, capsys):
     """--resume with other flags: each one that differs is named in one line, and this run's

@@ -151,7 +151,8 @@ def test_dtype_in_a_worker_thread_under_callers_autocast(model, images):
 @pytest.mark.parametrize("arch,dp_scope", [("alexnet", "model"), ("alexnet", "features"),
                                            ("mobilenet_v3_small", "model"),
                                            ("mobilenet_v3_small", "features"),
-                                           ("vgg11", "features")])
+                                           pytest.param("vgg11", "features",
+                                                        marks=pytest.mark.slow)])
 def test_what_dataparallel_replicates_keeps_the_run_dtype(arch, dp_scope):
     """DataParallel's workers call what it replicates -- the model, or model.features alone
     with --dp_scope features -- under ``autocast(device_type, enabled=True)``, which takes
@@ -220,6 +221,7 @@ def test_tf32_flags_stay_readable_after_set_tf32():
     assert res.stdout.split() == "high True tf32 highest False ieee".split()
 
 
+@pytest.mark.slow
 def test_compile_runs_the_backward_outside_autocast():
     """The loops call backward() outside autocast; a compiled backward must too (torch's AMP
     notes: backward_pass_autocast "off"; the default runs it under the forward's autocast)."""

@@ -99,12 +99,8 @@ def test_a_signal_to_one_rank_stops_every_rank_a_step_later(nproc, rank, signal_
     state = _load(ckpt / "train_DDP" / "last.pth")
     assert (state["epoch"], state["step"]) == (1, 3)
     assert_no_traceback_of_ours(out, res.stderr)
-
-    if nproc == 3:  # and the saved step goes on from there, to the end
-        res = _torchrun(nproc, REPO_ROOT / "AMP" / "train_DDP.py", *flags, "--resume")
-        assert res.returncode == 0, res.stderr[-3000:]
-        assert "resumed from" in res.stdout and "epoch 2, step 3" in res.stdout
-        assert _load(ckpt / "train_DDP" / "last.pth")["epoch"] == 4
+    # The resume from such a step, to the end and bit for bit: test_scheduler_stops.py (a
+    # torchrun job at 2 ranks) and test_stop_rule.py (from an epoch's last step).
 
 
 # ------------------------------------------------------------------ uneven shards, same start
@@ -164,16 +160,11 @@ def test_ddp_at_4_processes_with_an_empty_shard_and_an_unreadable_image(mini_ima
 
 
 # ------------------------------------------------------------------ in-process, the rules
-class _Ranks:
-    """A DistInfo stand-in for rank 0 of a group whose other ranks' answers are given."""
+def _agreed(args, run_dir: Path, others: list):
+    """What rank 0 of a group resumes, given what its other ranks see (``others``)."""
+    from ampkit.machinery.resume import agreed_path, what_this_rank_sees
 
-    distributed, rank, is_main = True, 0, True
-
-    def __init__(self, others: list) -> None:
-        self.others = others
-
-    def gather(self, items: list) -> list:
-        return list(items) + self.others
+    return agreed_path([what_this_rank_sees(args, run_dir), *others], 0)
 
 
 def _args(ckpt: Path, resume="auto"):
@@ -184,7 +175,7 @@ def _args(ckpt: Path, resume="auto"):
 
 def test_rank_0_decides_what_is_resumed_and_every_rank_must_see_it(tmp_path):
     from ampkit.machinery.errors import UserError
-    from ampkit.machinery.resume import _identity, agreed_resume_path
+    from ampkit.machinery.resume import _identity
 
     run_dir = tmp_path / "train_DDP"
     run_dir.mkdir()
@@ -192,7 +183,7 @@ def test_rank_0_decides_what_is_resumed_and_every_rank_must_see_it(tmp_path):
     last.write_bytes(b"a checkpoint")
     mine = _identity(last)[0]
     same = ("node1", str(last), True, None, mine)
-    assert agreed_resume_path(_args(tmp_path), run_dir, _Ranks([same])) == last
+    assert _agreed(_args(tmp_path), run_dir, [same]) == last
     # A copy on another node (a new modification time) is the same file; another save of the
     # same size is not.
     copy = tmp_path / "node1" / "last.pth"
@@ -210,17 +201,16 @@ def test_rank_0_decides_what_is_resumed_and_every_rank_must_see_it(tmp_path):
             (("node1", "/elsewhere/last.pth", False, "--resume: no checkpoint to resume at "
               "/elsewhere/last.pth", None), "--resume: no checkpoint")]:
         with pytest.raises(UserError) as e:
-            agreed_resume_path(_args(tmp_path), run_dir, _Ranks([same, other]))
+            _agreed(_args(tmp_path), run_dir, [same, other])
         assert "rank 2 on node1" in str(e.value) and words in str(e.value), e.value
         assert "must be shared by every node" in str(e.value)
     # A rank that finds the file but cannot read it: one line, on every rank (not an
     # OSError's traceback on that rank while its peers wait).
     unreadable = ("node1", str(copy), True, f"cannot read {copy} (Permission denied)", None)
     with pytest.raises(UserError, match=r"rank 2 on node1: cannot read .*Permission denied"):
-        agreed_resume_path(_args(tmp_path), run_dir, _Ranks([same, unreadable]))
+        _agreed(_args(tmp_path), run_dir, [same, unreadable])
     # Rank 0 starts afresh (a restart where its folder has no last.pth): so does every rank.
-    assert agreed_resume_path(_args(tmp_path, resume=None), tmp_path / "none",
-                              _Ranks([same])) is None
+    assert _agreed(_args(tmp_path, resume=None), tmp_path / "none", [same]) is None
 
 
 def test_the_identity_is_the_zip_directory_however_many_records(tmp_path):
@@ -257,14 +247,13 @@ def test_the_stop_lands_after_the_step_or_with_peers_the_next(group, request):
     """A signal during step 3 of 10 (--log_every 20): one process stops after step 3; in a
     process group, where the vote cast after step 3 is read after step 4, after step 4.
     Either way the epoch ends there, at any --log_every."""
-    from ampkit.distributed import StopVote
-    from ampkit.machinery.ranks import DistInfo
+    from ampkit.distributed import StopVote, this_process
     from ampkit.engine import train_one_epoch
     from ampkit.machinery.signals import StopFlag
 
     if group:
         request.getfixturevalue("gloo_of_one")
-    info = DistInfo.of(torch.device("cpu"))
+    info = this_process(torch.device("cpu"))
     assert info.distributed == group
     flag, steps = StopFlag(), []
 
@@ -283,7 +272,7 @@ def test_each_rank_and_each_gpu_draws_from_a_stream_of_its_own():
     """After the model: rank r's CPU stream (dropout, the classic path's flips) is its own,
     the same for the same seed; with CUDA every visible GPU's is its own too, or
     DataParallel's replicas would drop the same units of their chunks."""
-    from ampkit.distributed import seed_streams
+    from ampkit.machinery.ranks import seed_streams
 
     draws = {}
     for rank in (0, 1, 0):

@@ -1,26 +1,95 @@
-"""Around the process group that a DDP or FSDP2 script joins itself (``train_DDP.py``):
-torchrun's environment (under plain ``python``, a group of one on a free local port), the
-device a process owns (``cuda:LOCAL_RANK``, or the CPU), a store that keeps a restarted
-attempt's keys apart from the previous attempt's, the ranks' stop vote, and the random
-streams of each rank. With CUDA the backend is NCCL, on the CPU gloo.
+"""Every collective of the shared code, and what is around the process group that a DDP or
+FSDP2 script joins itself (``train_DDP.py``): torchrun's environment (under plain
+``python``, a group of one on a free local port), a store that keeps a restarted attempt's
+keys apart from the previous attempt's, this process's :class:`DistInfo`, the sums, maxima
+and gathers the loop and the logs need, the ranks' stop vote, what is resumed, and each
+rank's random streams. With CUDA the backend is NCCL, on the CPU gloo.
+
+Each function here that takes ``info`` is a collective in a process group: every rank
+calls it, at the same point of the run, or the others wait (``GROUP_TIMEOUT``). In one
+process each is a plain local call. Nothing under ``machinery/`` talks to the group.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
 import socket
-from typing import List, Optional, Tuple, Union
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from .machinery import resume
+from .machinery.devices import process_device
 from .machinery.errors import UserError
-from .machinery.ranks import DistInfo, derived_seed
+from .machinery.ranks import DistInfo
 from .machinery.signals import StopFlag
 
 # How long a collective may wait for a peer (a slow rank 0 writing a checkpoint, say).
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def this_process(device: torch.device) -> DistInfo:
+    """This process in the group it joined (a process of its own without one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistInfo(device=device)
+    return DistInfo(device=device, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                    local_rank=int(os.environ.get("LOCAL_RANK", "0")), distributed=True)
+
+
+def barrier(info: DistInfo) -> None:
+    """Every rank waits here for all the others."""
+    if info.distributed:
+        if info.device.type == "cuda":
+            dist.barrier(device_ids=[info.device.index])
+        else:
+            dist.barrier()
+
+
+def sum_over_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """``t`` summed over the ranks, in place (on its device: no host sync)."""
+    if info.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def max_over_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """``t``'s largest value over the ranks, elementwise, in place."""
+    if info.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+def gather_from_ranks(items: list, info: DistInfo) -> list:
+    """Every rank's ``items`` (picklable), concatenated in rank order, on every rank."""
+    if not info.distributed:
+        return list(items)
+    parts = [None] * info.world_size
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """Whether ``flag`` is true on any rank (the same answer on every rank)."""
+    return bool(max_over_ranks(torch.tensor(int(flag), device=info.device), info).item())
+
+
+@contextlib.contextmanager
+def local_main_first(info: DistInfo) -> Iterator[None]:
+    """Local rank 0 of each node runs the block first (e.g. a download); the others wait.
+    Local rank 0 reaches the barrier even when its block fails, so the others are released
+    at once (and then fail in their own block) instead of waiting for the timeout."""
+    if not info.is_local_main:
+        barrier(info)
+        yield
+        return
+    try:
+        yield
+    finally:
+        barrier(info)
 
 
 class StopVote:
@@ -87,13 +156,21 @@ class StopVote:
         return self._count() or stop
 
 
+def agreed_resume_path(args, run_dir: Path, info: DistInfo) -> Optional[Path]:
+    """The checkpoint this run continues (None: a new run), decided by global rank 0 and
+    checked by every rank (``resume.agreed_path``): each rank looks at its own path, which
+    must hold the very file rank 0 resumes."""
+    seen = gather_from_ranks([resume.what_this_rank_sees(args, run_dir)], info)
+    return resume.agreed_path(seen, info.rank)
+
+
 def rank_random_states(info: DistInfo) -> List[dict]:
     """Every rank's random streams (the CPU's, each visible GPU's), in rank order, on every
     rank (a collective): what a resumed rank goes on drawing dropout from."""
     cuda = info.device.type == "cuda"
     mine = {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if cuda else None}
-    return info.gather([mine])
+    return gather_from_ranks([mine], info)
 
 
 def agree_on_resumed(loaded: Union[dict, str, None], info: DistInfo) -> None:
@@ -105,7 +182,7 @@ def agree_on_resumed(loaded: Union[dict, str, None], info: DistInfo) -> None:
         if isinstance(loaded, str):
             raise UserError(loaded)
         return
-    seen = info.gather([(socket.gethostname(), loaded)])
+    seen = gather_from_ranks([(socket.gethostname(), loaded)], info)
     host0, first = seen[0]
     for rank, (host, theirs) in enumerate(seen):
         if isinstance(theirs, str):
@@ -121,41 +198,6 @@ def _where(loaded: Optional[dict]) -> str:
         return "started a new run"
     return (f"loaded epoch {loaded['epoch']}, step {loaded['step']} of a {loaded['identity'][0]}"
             f"-byte file (directory hash {loaded['identity'][1][:12]})")
-
-
-def seed_streams(seed: int, rank: int, cuda: bool) -> None:
-    """After the model is built from ``seed`` (the same weights on every rank, for any world
-    size): this rank's own random streams, for dropout and the classic path's flips. With
-    ``cuda``, each visible GPU gets a stream of its own too: ``torch.manual_seed`` gives
-    every GPU the same one, so DataParallel's replicas would draw the same dropout masks on
-    their chunks of the batch."""
-    torch.manual_seed(derived_seed(seed, 1, rank))
-    if cuda:
-        torch.cuda.init()  # the generators exist once CUDA is initialised (no context yet)
-        for index in range(torch.cuda.device_count()):
-            torch.cuda.default_generators[index].manual_seed(derived_seed(seed, 2, rank, index))
-
-
-def want_cuda(flag: Optional[bool]) -> bool:
-    """``--cuda`` (True), ``--no-cuda`` (False) or neither (None: CUDA when available)."""
-    if flag is None:
-        return torch.cuda.is_available()
-    if flag and not torch.cuda.is_available():
-        raise UserError("--cuda was given but CUDA is not available on this machine "
-                        "(use --no-cuda to run on the CPU)")
-    return flag
-
-
-def single_process_device(cuda_flag: Optional[bool]) -> torch.device:
-    """The device of a script that runs in one process (one device, or DataParallel)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # torchrun started N copies of a single-process script: each would train the same
-        # model on the same data and write the same files.
-        raise UserError(f"this script runs in one process (one device or DataParallel), but "
-                        f"torchrun started {os.environ['WORLD_SIZE']} (WORLD_SIZE): run it with "
-                        "python, or use a DDP or FSDP script (train_DDP*, train_FSDP*, "
-                        "eval_DDP) under torchrun")
-    return torch.device("cuda" if want_cuda(cuda_flag) else "cpu")
 
 
 def _free_port() -> int:
@@ -174,16 +216,6 @@ def torchrun_env(cuda_flag: Optional[bool]) -> Tuple[int, int, torch.device]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
             process_device(cuda_flag, local_rank))
-
-
-def process_device(cuda_flag: Optional[bool], local_rank: int) -> torch.device:
-    """The device this process of a group owns: ``cuda:LOCAL_RANK``, or the CPU."""
-    if not want_cuda(cuda_flag):
-        return torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
-        raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} "
-                        "GPU(s) are visible: start at most one process per GPU")
-    return torch.device("cuda", local_rank)
 
 
 def elastic_store(rank: int, world_size: int) -> Optional[dist.Store]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .distributed import StopVote
+from .distributed import StopVote, max_over_ranks, sum_over_ranks
 from .machinery.errors import UserError
 from .machinery.log import progress_bar
 from .machinery.ranks import DistInfo, synchronize
@@ -233,10 +233,10 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
 def _epoch_stats(tally: Tally, skipped: SkippedSteps, info: DistInfo,
                  max_nonfinite: Optional[int], step: int, t0: float, kw: dict) -> EpochStats:
     """The epoch's figures, summed over the ranks: the epoch's one host sync."""
-    totals = info.all_reduce_sum(torch.stack([tally.images.double(), tally.finite_images.double(),
-                                              skipped.count.double(), tally.nonfinite.double(),
-                                              tally.loss_sum]))
-    worst = int(info.all_reduce_max(tally.worst_run.clone()).item())
+    totals = sum_over_ranks(torch.stack([tally.images.double(), tally.finite_images.double(),
+                                         skipped.count.double(), tally.nonfinite.double(),
+                                         tally.loss_sum]), info)
+    worst = int(max_over_ranks(tally.worst_run.clone(), info).item())
     norms = torch.stack([tally.norm_sum, tally.norm_steps.double(), tally.norm_max]).tolist()
     synchronize(info.device)
     seconds = time.perf_counter() - t0
@@ -256,7 +256,7 @@ def _host_check(tally: Tally, bar: tqdm, info: DistInfo, max_nonfinite: Optional
     """The host sync point, every log_every steps (never every step): the progress bar's
     loss and the divergence check, which all ranks reach at the same step and pass or fail
     together."""
-    worst = int(info.all_reduce_max(tally.worst_run.clone()).item())
+    worst = int(max_over_ranks(tally.worst_run.clone(), info).item())
     if info.is_main:
         mean = tally.loss_sum / tally.finite_images.clamp(min=1)
         bar.set_postfix(loss=f"{mean.item():.4f}")
@@ -282,7 +282,7 @@ def count_correct(model: nn.Module, loader: Iterable, info: DistInfo,
     counts = torch.zeros(2, dtype=torch.int64, device=device)
     forwards = len(loader)
     if info.distributed:  # one host read per validation
-        forwards = int(info.all_reduce_max(torch.tensor(forwards, device=device)).item())
+        forwards = int(max_over_ranks(torch.tensor(forwards, device=device), info).item())
     batches, padding = iter(loader), None
     for _ in progress_bar(range(forwards), desc=desc, disable=not info.is_main):
         batch = next(batches, None)  # None: this rank's shard has run out

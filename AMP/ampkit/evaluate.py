@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .distributed import single_process_device
-from .machinery.ranks import DistInfo
+from .distributed import barrier, gather_from_ranks, local_main_first, this_process
+from .machinery.devices import single_process_device
 from .engine import count_correct
 from .machinery import checkpoint as ckpt_io
 from .machinery.archs import DEFAULT_ARCH, check_arch_flags
@@ -36,7 +36,7 @@ class Evaluation:
 
     def __init__(self, args, device: Optional[torch.device] = None) -> None:
         self.name, self.args = args.variant, args
-        self.info = DistInfo.of(device or single_process_device(args.cuda))
+        self.info = this_process(device or single_process_device(args.cuda))
         self._set_up()
 
     def _set_up(self) -> None:
@@ -53,10 +53,11 @@ class Evaluation:
                             "out: the eval scripts rebuild the checkpoint's network)")
         check_arch_flags(self.arch, self.img_size)
         self._say_what_it_was_trained_on(trained, root)
-        data = build_loaders(self.dataset, root, self.img_size, args.batch_size, self.info,
-                             loader=args.loader, num_workers=args.num_workers,
-                             channels_last=args.channels_last, train=False,
-                             skip_bad=args.skip_bad_images)
+        with local_main_first(self.info):  # a download: one process per node, the others after
+            data = build_loaders(self.dataset, root, self.img_size, args.batch_size, self.info,
+                                 loader=args.loader, num_workers=args.num_workers,
+                                 channels_last=args.channels_last, train=False,
+                                 skip_bad=args.skip_bad_images)
         self.data = data
         self.loader, self.test_size = data.val, data.val_size
         self.autocast_dtype = (resolve_amp_dtype(args.amp_dtype, device) if args.autocast
@@ -107,7 +108,7 @@ class Evaluation:
         if total == 0:
             raise UserError(f"{self.name}: no readable test image to evaluate")
         acc = correct / total
-        skipped = self.info.gather(take_skipped(self.data.val))
+        skipped = gather_from_ranks(take_skipped(self.data.val), self.info)
         if skipped and self.info.is_main:
             print(f"skipped {len(skipped)} unreadable image(s) (--skip_bad_images): "
                   + "; ".join(str(u) for u in skipped[:5]), flush=True)
@@ -116,5 +117,5 @@ class Evaluation:
                   f"{', autocast ' + str(self.autocast_dtype)[6:] if self.autocast_dtype else ''}"
                   f"{f', {self.info.world_size} processes' if self.info.world_size > 1 else ''}"
                   f"): {correct}/{total} = {acc:.4f}", flush=True)
-        self.info.barrier()
+        barrier(self.info)
         return acc

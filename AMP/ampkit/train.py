@@ -3,18 +3,18 @@
 A train script builds its technique and runs its epochs in view, in the shape of DeiT's
 ``main.py`` (``AMP/train_DDP.py``): ``with Run(args, device) as run``, its loader, its
 ``build(run.parts)``, its LR schedule, ``run.start(t, scheduler)``, then for each of
-``run.epochs()``: ``train_one_epoch(t.step, loader, **run.loop(epoch))``, ``run.validate``
-(summed over the ranks by the script), the schedule's step, ``run.save`` and ``run.log``.
+``run.epochs()``: ``run.begin_epoch``, ``train_one_epoch`` with its options named at the
+call, ``run.validate`` (summed over the ranks by the script), the schedule's step,
+``run.save`` and ``run.log``.
 
 :class:`Run` is the set-up and the end: device and seed, run folder and lock, logs, data,
 the network built from ``--seed``, what is resumed, signal handlers, and the last line (a
-stop: the stop's line, exit status 128 + signal). :class:`EpochBook`, its base, is the
-bookkeeping the loop calls.
+stop: the stop's line, and ``run.status`` 128 + signal, which the script returns after its
+own teardown). :class:`EpochBook`, its base, is the bookkeeping the loop calls.
 """
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from functools import partial
 from typing import Callable, Iterator, Optional
@@ -23,20 +23,20 @@ import torch
 from torch import nn
 from torch.utils.data import Sampler
 
-from .distributed import (StopVote, agree_on_resumed, rank_random_states, seed_streams,
-                          single_process_device)
+from .distributed import (StopVote, agree_on_resumed, agreed_resume_path, any_rank, barrier,
+                          gather_from_ranks, local_main_first, rank_random_states, this_process)
 from .engine import EpochStats, Parts, Technique, count_correct
 from .machinery import checkpoint as ckpt_io
-from .machinery.data import build_loaders, report_skipped
+from .machinery.data import build_loaders, report_skipped, take_skipped
+from .machinery.devices import single_process_device
 from .machinery.datasets import one_process_sampler
 from .machinery.errors import Interrupted, UserError
 from .machinery.flops import achieved, run_peak, training_flops_per_image
 from .machinery.log import RunLogger, epoch_row, header_line, summary_line
-from .machinery.memory import reset_peak_memory
+from .machinery.memory import peak_memory_mb, reset_peak_memory
 from .machinery.profiler import StepProfiler
-from .machinery.ranks import DistInfo
-from .machinery.resume import (Resumed, agreed_resume_path, load_resume, load_states,
-                               where_it_starts)
+from .machinery.ranks import DistInfo, seed_streams
+from .machinery.resume import Resumed, load_resume, load_states, where_it_starts
 from .machinery.saving import SavePolicy, checkpoint_state
 from .machinery.signals import StopFlag, StopSignals, exit_status, stopped_line
 from .models import build_model, check_dp_scope
@@ -83,29 +83,30 @@ class EpochBook:
             if self.stopped_at is not None:
                 return
 
-    def loop(self, epoch: int) -> dict:
-        """The options of :func:`ampkit.engine.train_one_epoch` for ``epoch`` (a resumed
-        one from its step), which it also starts: its order, clock and memory peak."""
-        args, info = self.args, self.info
+    def begin_epoch(self, epoch: int) -> int:
+        """Start ``epoch``: one process's new order (a DDP script sets its sampler's), the
+        clock, the memory peak, ``model.train()``; the step it starts from (a resumed
+        epoch's, else 0), where the loader starts too."""
         step0 = self.resumed.step if epoch == self.resumed.epoch else 0
         if self.own_sampler is not None:
             self.own_sampler.set_epoch(epoch)  # a new order every epoch
-        self.loader.sampler.start_index = step0 * args.batch_size * args.accum_steps
+        self.loader.sampler.start_index = step0 * self.args.batch_size * self.args.accum_steps
         self.epoch_start = (time.perf_counter(), self.t.optimizer.param_groups[0]["lr"],
-                            reset_peak_memory(info.device, all_gpus=self.dp))
+                            reset_peak_memory(self.info.device, all_gpus=self.dp))
         self.t.model.train()
-        profiler = (StepProfiler(self.run_dir / "profile" / f"trace_rank{info.rank}.json",
-                                 info.device, say=self.logger.print)
-                    if args.profile and epoch == self.resumed.epoch else None)
-        return dict(info=info, desc=f"epoch {epoch + 1}/{args.epochs}", start_step=step0,
-                    log_every=args.log_every, max_nonfinite=None if self.t.scaler else 5,
-                    stop=self.vote, skipped=self.skipped, input_format=self.input_format,
-                    profiler=profiler, accum_steps=args.accum_steps, before=self._before(epoch))
+        return step0
 
-    def _before(self, epoch: int) -> Optional[EpochStats]:
+    def so_far(self, epoch: int) -> Optional[EpochStats]:
         """A resumed epoch's figures up to the stop (None: the epoch starts here)."""
         so_far = self.resumed.so_far if epoch == self.resumed.epoch else None
         return EpochStats(**so_far) if so_far else None
+
+    def profiler(self, epoch: int) -> Optional[StepProfiler]:
+        """--profile: a recorder of the run's first epoch's first steps (else None)."""
+        if not self.args.profile or epoch != self.resumed.epoch:
+            return None
+        return StepProfiler(self.run_dir / "profile" / f"trace_rank{self.info.rank}.json",
+                            self.info.device, say=self.logger.print)
 
     def validate(self, t: Technique) -> torch.Tensor:
         """``tensor([correct, seen])`` of this rank's shard of the validation split (every
@@ -131,7 +132,8 @@ class EpochBook:
         if val_acc > self.best_acc:
             self.best_acc, self.best_epoch = val_acc, epochs_done
         state = partial(self._state, checkpoint, epochs_done, 0, val_acc, None)
-        self.save_timing = self.saver.save(state, epochs_done,
+        time_up = any_rank(self.saver.time_up_here(), self.info)  # --save_every 30m, say
+        self.save_timing = self.saver.save(state, epochs_done, time_up=time_up,
                                            is_best=self.best_epoch == epochs_done)
         if self.vote.now():  # every rank, after every epoch's save
             if self.saver.last_saved == (epochs_done, 0):
@@ -153,16 +155,19 @@ class EpochBook:
 
     def log(self, epoch: int, stats: EpochStats, counts) -> None:
         """The epoch's line (rank 0), its row in log.jsonl, its TensorBoard scalars."""
-        before = self._before(epoch)  # a resumed epoch's part before its stop
+        before = self.so_far(epoch)  # a resumed epoch's part before its stop
         seconds_before, images_before = (before.seconds, before.images) if before else (0.0, 0)
         self.train_seconds += stats.seconds - seconds_before  # this process's own
         self.train_flops += (stats.images - images_before) * self.flops_per_image
         t0, lr, reset = self.epoch_start
-        skipped = (report_skipped(self.logger, self.info, self.loader, self.data.val)
-                   if self.args.skip_bad_images else 0)
+        skipped = (report_skipped(self.logger, gather_from_ranks(
+            take_skipped(self.loader, self.data.val), self.info))
+            if self.args.skip_bad_images else 0)
         seconds = time.perf_counter() - t0 + seconds_before
+        peaks = gather_from_ranks([round(peak_memory_mb(self.info.device, all_gpus=self.dp), 1)],
+                                  self.info)  # every rank's peak this epoch
         row = epoch_row(epoch, stats, [int(c) for c in counts], lr, seconds,
-                        self.args, self.info, self.t.scaler, skipped, self.dp, reset)
+                        self.args, self.info, self.t.scaler, skipped, peaks, reset)
         row |= achieved(stats.images * self.flops_per_image, stats.seconds, self.peak,
                         self.devices)
         self.logger.epoch(row | self.save_timing, self.args.epochs, counts)
@@ -173,7 +178,8 @@ class Run(EpochBook):
 
     def __init__(self, args, device: Optional[torch.device] = None) -> None:
         self.args, self.lock, self.logger, self.signals = args, None, None, None
-        self.info = DistInfo.of(device or single_process_device(args.cuda))
+        self.status = 1  # the exit status once the run ended: 0, or 128 + a stop's signal
+        self.info = this_process(device or single_process_device(args.cuda))
         try:
             self._set_up()
         except BaseException:
@@ -187,10 +193,12 @@ class Run(EpochBook):
             torch.backends.cudnn.benchmark = True  # a fixed input size: let cuDNN pick kernels
         self.run_dir, self.lock, self.tb_dir = _folders(args, info)
         path = agreed_resume_path(args, self.run_dir, info)  # rank 0's choice, every rank's file
-        self.data = build_loaders(args.dataset, args.dataset_root, args.img_size,
-                                  args.batch_size, info, loader=args.loader,
-                                  num_workers=args.num_workers, channels_last=args.channels_last,
-                                  skip_bad=args.skip_bad_images)
+        with local_main_first(info):  # a download: one process per node, the others after
+            self.data = build_loaders(args.dataset, args.dataset_root, args.img_size,
+                                      args.batch_size, info, loader=args.loader,
+                                      num_workers=args.num_workers,
+                                      channels_last=args.channels_last,
+                                      skip_bad=args.skip_bad_images)
         self.train_set = self.data.train_set  # what a DDP script's DistributedSampler draws
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
         self.image_shape = (3, args.img_size, args.img_size)
@@ -220,14 +228,12 @@ class Run(EpochBook):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        finished, code = False, 0
+        finished = False
         try:
             if exc_type is None:
-                code, finished = self._finish(), True
+                self.status, finished = self._finish(), True
         finally:
             self._close(finished)
-        if code:
-            sys.exit(code)
         if exc_type is KeyboardInterrupt:  # a second Ctrl-C: say what was saved, and go
             raise Interrupted(*self.saver.abandon()) from None
 
@@ -257,7 +263,7 @@ class Run(EpochBook):
         if self.logger is not None:
             self.logger.close()
         if finished:
-            self.info.barrier()
+            barrier(self.info)
         if self.lock is not None:
             self.lock.release()
 

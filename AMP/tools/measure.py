@@ -57,7 +57,7 @@ from torchvision import transforms
 
 import torch.distributed as dist
 
-from ampkit.distributed import StopVote, elastic_store, torchrun_env
+from ampkit.distributed import StopVote, elastic_store, this_process, torchrun_env
 from ampkit.machinery.ranks import DistInfo, synchronize
 from ampkit.engine import Parts, train_one_epoch
 from ampkit.machinery.data import train_loader
@@ -136,7 +136,7 @@ class DDPGroup:
                     else torch.device("cpu")
                 kw = dict(rank=0, world_size=1, store=dist.HashStore())
             dist.init_process_group("nccl" if self.cuda else "gloo", device_id=device.index, **kw)
-            self.info = DistInfo.of(device)
+            self.info = this_process(device)
         return self.info
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ Environment:
                          micro-batch): a stop in the middle of a step; with FAULT_RANK, on that
                          rank only; with FAULT_TO_GROUP=1, to its whole process group, as a
                          scheduler signals a job (its DataLoader workers too).
-  FAULT_EXIT_FILE=PATH   each process writes the status it exits with (its SystemExit's) to
+  FAULT_EXIT_FILE=PATH   each process writes the status it exits with (main's, or its SystemExit's) to
                          PATH.<RANK>: where torchrun, stopped by a signal itself, reports none.
   FAULT_SLOW_EXIT=S      every rank but FAULT_RANK sleeps S seconds as its interpreter exits:
                          FAULT_RANK exits first, and torchrun's SIGTERM to the others (which
@@ -100,10 +100,11 @@ if kill_in_save or slow_save:
 if __name__ == "__main__":
     exit_file = os.environ.get("FAULT_EXIT_FILE")
     try:
-        importlib.import_module(sys.argv[1]).main(sys.argv[2:])
+        status = importlib.import_module(sys.argv[1]).main(sys.argv[2:]) or 0
     except SystemExit as e:
         if exit_file:
             Path(f"{exit_file}.{os.environ.get('RANK', '0')}").write_text(str(e.code))
         raise
     if exit_file:
-        Path(f"{exit_file}.{os.environ.get('RANK', '0')}").write_text("0")
+        Path(f"{exit_file}.{os.environ.get('RANK', '0')}").write_text(str(status))
+    sys.exit(status)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(AMP))
 import ampkit.train  # noqa: E402
 import train_DDP  # noqa: E402
 from ampkit.engine import count_correct  # noqa: E402
-from ampkit.machinery.ranks import DistInfo  # noqa: E402
+from ampkit.distributed import this_process  # noqa: E402
 
 # 48 training images over 2 ranks, per rank: batch 4 -> 6 steps an epoch; batch 5 with
 # --accum_steps 2 -> micro-batches of 5, 5, 5, 5, 4 and windows of 2, 2, 1: 3 steps, the
@@ -95,7 +95,7 @@ def _padding_counts(rank: int, world_size: int, port: int) -> list:
         for layer in (model[1], model[3]):
             fully_shard(layer)
         fully_shard(model)
-        info = DistInfo.of(torch.device("cpu"))
+        info = this_process(torch.device("cpu"))
         got = []
         for n in (3, 1):
             mine = [(images[i:i + 1], targets[i:i + 1]) for i in range(rank, n, world_size)]
@@ -119,11 +119,10 @@ def main(rank: int, world_size: int, ports: list, root: str, out: str) -> None:
         os.environ["MASTER_PORT"] = str(port)
         fault = Faults(faults.get(rank))
         try:
-            train_DDP.main(["--dataset", "ImageFolder", "--dataset_root", root, "--img_size",
-                            "32", "--arch", "shufflenet_v2_x0_5", "--no-cuda",
-                            "--no-tensorboard", "--checkpoint", str(ckpt), "--epochs", "2",
-                            *flags])
-            code = 0
+            code = train_DDP.main(["--dataset", "ImageFolder", "--dataset_root", root,
+                                   "--img_size", "32", "--arch", "shufflenet_v2_x0_5",
+                                   "--no-cuda", "--no-tensorboard", "--checkpoint", str(ckpt),
+                                   "--epochs", "2", *flags])
         except SystemExit as e:
             code = e.code
         finally:

@@ -139,10 +139,9 @@ def take_skipped(*loaders: Iterable) -> List[Unreadable]:
     return skipped
 
 
-def report_skipped(logger, info: DistInfo, *loaders: Iterable) -> int:
-    """--skip_bad_images: name the images the loaders left out since the last call, on every
-    rank (a collective); how many."""
-    skipped = info.gather(take_skipped(*loaders))
+def report_skipped(logger, skipped: List[Unreadable]) -> int:
+    """--skip_bad_images: name the images the loaders left out (every rank's, gathered from
+    their :func:`take_skipped`); how many."""
     if skipped:
         more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
         logger.print(f"skipped {len(skipped)} unreadable image(s) this epoch: "

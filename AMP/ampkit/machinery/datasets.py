@@ -298,9 +298,9 @@ def build_datasets(name: str, root: Path, img_size: int, info: DistInfo,
     train_tf = val_tf = build_transform(img_size)
     if name == "CIFAR10":
         check_cifar_root(root)
-        with info.local_main_first():  # one process per node downloads
-            train_set = cifar10(root, True, train_tf, download=info.is_local_main) if train else None
-            val_set = cifar10(root, False, val_tf, download=info.is_local_main and not train)
+        # Only local rank 0 downloads; the caller runs it first (distributed.local_main_first).
+        train_set = cifar10(root, True, train_tf, download=info.is_local_main) if train else None
+        val_set = cifar10(root, False, val_tf, download=info.is_local_main and not train)
         return Datasets(train_set, val_set, NUM_CLASSES[name])
     if name == "ImageFolder":
         if not root.is_dir():

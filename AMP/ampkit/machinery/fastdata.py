@@ -52,8 +52,8 @@ def load_uint8(name: str, root: Path, info: DistInfo, train: bool) -> Tuple[torc
     if name == "CIFAR10":
         root = Path(root)
         check_cifar_root(root)
-        with info.local_main_first():  # one process per node downloads
-            ds = cifar10(root, train, None, download=info.is_local_main)
+        # Only local rank 0 downloads; the caller runs it first (distributed.local_main_first).
+        ds = cifar10(root, train, None, download=info.is_local_main)
         # ds.data is an N,H,W,C view of the N,C,H,W array read from the batch files:
         # permuting back gives a contiguous tensor without a copy.
         images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()

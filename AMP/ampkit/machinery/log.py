@@ -6,12 +6,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from tqdm import tqdm
 
-from .memory import memory_kind, peak_memory_mb
+from .memory import memory_kind
 
 # Seconds between redraws of a progress bar where stderr is not a terminal (a log file,
 # SLURM's, compare.py's children): a few lines a log keeps, not one redraw per step.
@@ -129,12 +129,11 @@ class RunLogger:
 
 
 def epoch_row(epoch: int, stats, counts, lr: float, epoch_seconds: float, args, info,
-              scaler, skipped_images: int, dp: bool, reset: bool) -> Dict[str, Any]:
+              scaler, skipped_images: int, per_rank: List[float], reset: bool) -> Dict[str, Any]:
     """An epoch's figures, as the log line, log.jsonl and TensorBoard take them: ``stats``
     (``ampkit.engine.EpochStats``), validation's ``counts`` (correct, seen) and this epoch's
-    peak memory on every rank (a collective; DataParallel: the largest of its GPUs)."""
+    peak memory on every rank (``per_rank``, in MB: see ``machinery.memory``)."""
     device = info.device
-    per_rank = info.gather([round(peak_memory_mb(device, all_gpus=dp), 1)])
     row = {"epoch": epoch + 1, "train_loss": stats.loss, "val_acc": counts[0] / counts[1],
            "lr": lr, "epoch_time": epoch_seconds, "train_time": stats.seconds,
            "data_time": stats.data_seconds, "images_per_s": stats.images_per_s,

@@ -37,46 +37,49 @@ def resume_path(args, run_dir: Path) -> Optional[Path]:
     return None
 
 
-def agreed_resume_path(args, run_dir: Path, info) -> Optional[Path]:
-    """:func:`resume_path`, decided by global rank 0 and checked by every rank: each loads
-    the file at its own path (its own ``--checkpoint``), which must be the one rank 0
-    resumes -- the same size and zip directory (``checkpoint.identity``); a rank that
-    cannot read it stops every rank too. Rank 0 alone writes them, so
-    on several nodes the folder must be shared (or copied): a node that sees no checkpoint,
-    or another one, would start afresh or fail while its peers wait. Instead every rank
-    stops with one line naming the first such rank, its host and its path. ``info``: the
-    process's ``DistInfo``."""
+def what_this_rank_sees(args, run_dir: Path) -> tuple:
+    """What this rank finds to resume (:func:`agreed_path` compares every rank's):
+    (host, the path it looked at, found, why it cannot use it or None, its identity)."""
     try:
         mine, error = resume_path(args, run_dir), None
     except UserError as e:
         mine, error = None, str(e)
-    if not info.distributed:
-        if error is not None:
-            raise UserError(error)
-        return mine
     looked = str(mine or (Path(args.resume) if args.resume not in (None, "auto")
                           else run_dir / ckpt_io.LAST))
     identity, unreadable = _identity(mine)
-    seen = info.gather([(socket.gethostname(), looked, mine is not None, error or unreadable,
-                         identity)])
+    return socket.gethostname(), looked, mine is not None, error or unreadable, identity
+
+
+def agreed_path(seen: List[tuple], rank: int) -> Optional[Path]:
+    """The checkpoint ``rank`` resumes (None: a new run), from every rank's
+    :func:`what_this_rank_sees` in rank order: rank 0's choice, which every rank must see.
+    Each loads the file at its own
+    path (its own ``--checkpoint``), which must be the one rank 0 resumes -- the same size and
+    zip directory (``checkpoint.identity``); a rank that cannot read it stops every rank too.
+    Rank 0 alone writes them, so on several nodes the folder must be shared (or copied): a
+    node that sees no checkpoint, or another one, would start afresh or fail while its peers
+    wait. Instead every rank stops with one line naming the first such rank, its host and
+    its path."""
     host0, path0, found0, error0, identity0 = seen[0]
     if error0 is not None:
         raise UserError(error0)  # every rank stops; rank 0 says why
-    for rank, (host, path, found, error, identity) in enumerate(seen):
+    if len(seen) == 1:  # one process: loading the file says what is wrong with it
+        return Path(path0) if found0 else None
+    for other, (host, path, found, error, identity) in enumerate(seen):
         if found and error is not None:  # it is there, but this rank cannot read it
-            raise UserError(f"rank {rank} on {host}: {error}")
+            raise UserError(f"rank {other} on {host}: {error}")
     if not found0:
         return None  # a new run on every rank
-    for rank, (host, path, found, error, identity) in enumerate(seen):
+    for other, (host, path, found, error, identity) in enumerate(seen):
         if identity != identity0:
             found = (f"cannot use it ({error})" if error is not None
                      else f"finds none at {path}" if not found
                      else f"finds another file at {path}")
-            raise UserError(f"rank 0 on {host0} resumes {path0}, but rank {rank} on {host} "
+            raise UserError(f"rank 0 on {host0} resumes {path0}, but rank {other} on {host} "
                             f"{found}: the checkpoint folder must be shared by every node "
                             "(--checkpoint on a shared file system), or the same file copied "
                             "to each")
-    return mine
+    return Path(seen[rank][1])  # this rank's own path to the same file
 
 
 def _identity(path: Optional[Path]) -> Tuple[Optional[Tuple[int, str]], Optional[str]]:

@@ -63,19 +63,26 @@ class SavePolicy:
         self.last_save = time.perf_counter()
         self.last_saved: Optional[tuple] = None  # (epoch, step) of the last last.pth submitted
 
-    def due(self, epoch: int, now: bool) -> bool:
-        """Whether last.pth is written after ``epoch`` epochs (the same answer on every rank)."""
+    def due(self, epoch: int, now: bool, time_up: bool = False) -> bool:
+        """Whether last.pth is written after ``epoch`` epochs (the same answer on every rank,
+        given the same ``time_up``)."""
         return bool(now or epoch == self.epochs
                     or (self.every_epochs and epoch % self.every_epochs == 0)
-                    or (self.every_seconds and self._time_to_save()))
+                    or (self.every_seconds and time_up))
+
+    def time_up_here(self) -> bool:
+        """Whether --save_every's time has come on this rank's clock (the ranks' clocks
+        differ: the caller asks whether it has on any rank's)."""
+        return bool(self.every_seconds) and (
+            time.perf_counter() - self.last_save >= self.every_seconds)
 
     def save(self, make_state, epoch: int, is_best: bool, now: bool = False,
-             step: int = 0) -> Dict[str, float]:
+             step: int = 0, time_up: bool = False) -> Dict[str, float]:
         """Save after ``epoch`` epochs (and ``step`` steps of the next, at a stop):
         ``make_state(resume)`` makes the content (every rank calls it). ``now``: a stop,
-        which also waits for the write. Returns the save's timing for the epoch's log row
-        (rank 0)."""
-        due = self.due(epoch, now)
+        which also waits for the write. ``time_up``: --save_every's time has come on some
+        rank. Returns the save's timing for the epoch's log row (rank 0)."""
+        due = self.due(epoch, now, time_up)
         if not (is_best or due):
             return {}
         # The snapshot buffers are the ones the previous save is written from: wait for it.
@@ -103,11 +110,6 @@ class SavePolicy:
                 self.writer.wait()
         timing["save_snapshot_s"] = time.perf_counter() - t0
         return timing
-
-    def _time_to_save(self) -> bool:
-        """Whether --save_every's time has come, on any rank's clock: all ranks agree."""
-        due = torch.tensor(int(time.perf_counter() - self.last_save >= self.every_seconds))
-        return bool(self.info.all_reduce_max(due.to(self.info.device)).item())
 
     def wait(self) -> None:
         """Until the save in flight, if any, is written."""
