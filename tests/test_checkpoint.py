@@ -9,30 +9,30 @@ import torch
 
 from conftest import FAST_ARCH
 
-from ampkit.machinery import checkpoint as ckpt_io
+from ampkit.machinery import checkpoint_writer
 
 
 def test_atomic_save_with_spare_rotates_and_rewrites_in_place(tmp_path):
     path, spare = tmp_path / "last.pth", tmp_path / ".last.pth.spare"
     for epoch in (1, 2, 3, 4):
-        ckpt_io.atomic_save({"epoch": epoch, "w": torch.full((1000,), float(epoch))}, path,
+        checkpoint_writer.atomic_save({"epoch": epoch, "w": torch.full((1000,), float(epoch))}, path,
                             spare=True)
         assert torch.load(path, weights_only=True)["epoch"] == epoch
         if epoch >= 2:  # the version before the current one is kept to be rewritten
             assert torch.load(spare, weights_only=True)["epoch"] == epoch - 1
     inode = spare.stat().st_ino
-    ckpt_io.atomic_save({"epoch": 5, "w": torch.zeros(10)}, path, spare=True)  # shorter
+    checkpoint_writer.atomic_save({"epoch": 5, "w": torch.zeros(10)}, path, spare=True)  # shorter
     assert path.stat().st_ino == inode, "the spare's file was rewritten in place and swapped in"
     assert torch.load(path, weights_only=True)["epoch"] == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == [".last.pth.spare", "last.pth"]
-    ckpt_io.remove_spares(tmp_path)
+    checkpoint_writer.remove_spares(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pth"]
 
 
 def test_snapshot_reuses_its_buffers_and_is_independent_of_the_source():
     live = {"model": {"w": torch.ones(4)}, "optimizer": {"state": {0: {"m": torch.zeros(3)}},
                                                          "param_groups": [{"lr": 0.1}]}}
-    snap = ckpt_io.Snapshot()
+    snap = checkpoint_writer.Snapshot()
     first = snap.take(live)
     live["model"]["w"].add_(1)  # training goes on
     assert torch.equal(first["model"]["w"], torch.ones(4))
@@ -43,7 +43,7 @@ def test_snapshot_reuses_its_buffers_and_is_independent_of_the_source():
 
 
 def test_background_writer_reports_an_error_at_the_next_wait(tmp_path):
-    writer = ckpt_io.BackgroundWriter()
+    writer = checkpoint_writer.BackgroundWriter()
     writer.submit([({"x": torch.zeros(1)}, tmp_path / "missing" / "last.pth")])
     with pytest.raises(OSError):
         writer.wait()
@@ -65,7 +65,7 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
     from ampkit import train
 
     writes = []
-    original = ckpt_io.atomic_save
+    original = checkpoint_writer.atomic_save
 
     def recording(obj, path, spare=False):
         writes.append((path.name, obj["epoch"], threading.current_thread().name))
@@ -80,7 +80,7 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
         counts[1] = 1000
         return counts
 
-    monkeypatch.setattr(ckpt_io, "atomic_save", recording)
+    monkeypatch.setattr(checkpoint_writer, "atomic_save", recording)
     monkeypatch.setattr(train, "count_correct", forced)
     train_without.main(["--dataset", "ImageFolder", "--dataset_root", str(imagefolder_root),
                         "--img_size", "64", "--batch_size", "48", "--epochs", "3", "--no-cuda",
@@ -98,10 +98,10 @@ def test_best_is_a_second_name_that_the_next_saves_leave_alone(tmp_path):
     """best.pth names epoch 1's last.pth; the saves of epochs 2 and 3 (whose spare-file
     rotation rewrites the version before the current one in place) leave it whole."""
     last, best = tmp_path / "last.pth", tmp_path / "best.pth"
-    writer = ckpt_io.BackgroundWriter()
+    writer = checkpoint_writer.BackgroundWriter()
     for epoch in (1, 2, 3):
         state = {"epoch": epoch, "w": torch.full((1000,), float(epoch))}
-        files = [(state, last)] + ([ckpt_io.Link(last, best, fallback=state)] if epoch == 1
+        files = [(state, last)] + ([checkpoint_writer.Link(last, best, fallback=state)] if epoch == 1
                                    else [])
         writer.submit(files)
         writer.wait()

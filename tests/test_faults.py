@@ -294,10 +294,10 @@ def _first_run(imagefolder_root, tmp_path, capsys, *extra) -> Path:
 def test_full_disk_is_found_before_writing(imagefolder_root, tmp_path, capsys, monkeypatch):
     run_dir = _first_run(imagefolder_root, tmp_path, capsys)
     before = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"]
-    from ampkit.machinery import checkpoint as ckpt_io
+    from ampkit.machinery import checkpoint_writer
 
     usage = shutil.disk_usage(run_dir)
-    monkeypatch.setattr(ckpt_io.shutil, "disk_usage",
+    monkeypatch.setattr(checkpoint_writer.shutil, "disk_usage",
                         lambda p: usage._replace(free=50 * 2**20))  # 50 MB free
     code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt", "--resume",
                                                   "--epochs", "2"), capsys)
@@ -311,12 +311,12 @@ def test_full_disk_is_found_before_writing(imagefolder_root, tmp_path, capsys, m
 def test_disk_full_during_the_first_write_leaves_no_best_without_last(imagefolder_root,
                                                                       tmp_path, capsys,
                                                                       monkeypatch):
-    from ampkit.machinery import checkpoint as ckpt_io
+    from ampkit.machinery import checkpoint_writer
 
     def no_space(obj, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ckpt_io.torch, "save", no_space)
+    monkeypatch.setattr(checkpoint_writer.torch, "save", no_space)
     code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt"), capsys)
     line = _one_line(code, err)
     assert "cannot save" in line and "last.pth" in line and "MB free" in line, line
@@ -329,7 +329,7 @@ def test_disk_full_during_the_first_write_leaves_no_best_without_last(imagefolde
 _HOLD = """
 import sys, time
 sys.path.insert(0, "AMP")
-from ampkit.machinery.checkpoint import RunLock
+from ampkit.machinery.run_folder import RunLock
 lock = RunLock(sys.argv[1])
 print("locked", flush=True)
 time.sleep(300)

@@ -298,7 +298,7 @@ def test_pickled_payload_is_refused_and_never_runs(tmp_path, imagefolder_root, c
 def ckpt_3class(tmp_path_factory) -> Path:
     """A good checkpoint (3-class AlexNet weights), written in-process as training writes it."""
     from alexnet import alexnet
-    from ampkit.machinery.checkpoint import atomic_save
+    from ampkit.machinery.checkpoint_writer import atomic_save
 
     path = tmp_path_factory.mktemp("ckpt3") / "last.pth"
     torch.manual_seed(0)

@@ -36,6 +36,7 @@ from .machinery.log import RunLogger, epoch_row, header_line, summary_line
 from .machinery.memory import peak_memory_mb, reset_peak_memory
 from .machinery.profiler import StepProfiler
 from .machinery.ranks import DistInfo, seed_streams
+from .machinery.run_folder import claim_run_dir, prepare_run_dir
 from .machinery.resume import Resumed, load_resume, load_states, where_it_starts
 from .machinery.saving import SavePolicy, checkpoint_state
 from .machinery.signals import StopFlag, StopSignals, exit_status, stopped_line
@@ -275,9 +276,9 @@ def _folders(args, info: DistInfo) -> tuple:
     run_dir = args.checkpoint / args.variant
     if not info.is_main:
         return run_dir, None, None
-    lock = ckpt_io.claim_run_dir(run_dir)
+    lock = claim_run_dir(run_dir)
     try:
-        tb_dir = (ckpt_io.prepare_run_dir(args.tensorboard_log / args.variant)
+        tb_dir = (prepare_run_dir(args.tensorboard_log / args.variant)
                   / time.strftime("%Y%m%d-%H%M%S")) if args.tensorboard else None
     except BaseException:
         lock.release()

@@ -40,6 +40,12 @@ _LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Connec
                         r"(?:gloo|NCCL).*?[Tt]imed out", re.S)
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's first line (its type's name if it has none), at most 200 characters."""
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
 def lost_peer(error: BaseException) -> Optional[str]:
     """Why a collective failed, when it failed because a peer process died; else None."""
     if not isinstance(error, RuntimeError):

@@ -22,6 +22,8 @@ import torch
 
 from .ranks import DistInfo
 from . import checkpoint as ckpt_io
+from .checkpoint_writer import BackgroundWriter, Link, Snapshot, remove_spares
+from .run_folder import remove_stale_temps
 from .config import args_to_plain, parse_interval
 
 # What only resuming needs: last.pth has it, best.pth (weights and metadata) does not.
@@ -56,9 +58,9 @@ class SavePolicy:
         self.every_epochs, self.every_seconds = parse_interval(save_every)
         landed = (_describe(resumed.epoch, resumed.step)
                   if resumed is not None and resumed.path is not None else "")
-        self.writer = ckpt_io.BackgroundWriter(landed)
+        self.writer = BackgroundWriter(landed)
         self.writing = ""  # what the last save submitted holds
-        self.snapshots = {"last": ckpt_io.Snapshot(), "best": ckpt_io.Snapshot()}
+        self.snapshots = {"last": Snapshot(), "best": Snapshot()}
         self.pending_best: Optional[Dict[str, Any]] = None
         self.last_save = time.perf_counter()
         self.last_saved: Optional[tuple] = None  # (epoch, step) of the last last.pth submitted
@@ -100,7 +102,7 @@ class SavePolicy:
             last, best = self.run_dir / ckpt_io.LAST, self.run_dir / ckpt_io.BEST
             files = [(self.snapshots["last"].take(state), last)]
             if is_best:  # best.pth: a second name for this very file, nothing more written
-                files.append(ckpt_io.Link(last, best, fallback=_weights(files[0][0])))
+                files.append(Link(last, best, fallback=_weights(files[0][0])))
             elif self.pending_best is not None:
                 files.append((self.pending_best, best))
             self.pending_best = None
@@ -119,7 +121,7 @@ class SavePolicy:
         """Wait for the last save; remove the spare files (rank 0)."""
         self.writer.wait()
         if self.info.is_main:
-            ckpt_io.remove_spares(self.run_dir)
+            remove_spares(self.run_dir)
 
     def abandon(self) -> tuple:
         """A second Ctrl-C: (what was and was not saved, in words; whether a write was cut
@@ -130,7 +132,7 @@ class SavePolicy:
             return "", False
         path, holds = self.run_dir / ckpt_io.LAST, self.writer.landed
         if self.writer.busy:
-            ckpt_io.remove_stale_temps(self.run_dir)
+            remove_stale_temps(self.run_dir)
             return ((f"{path} still holds {holds}" if holds else f"no {path} was written")
                     + f"; the save of {self.writing} was cut short and not kept", True)
         return (f"{path} holds {holds}; nothing after it was saved" if holds
