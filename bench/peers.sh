@@ -41,8 +41,8 @@
 #   validates 360 (one image twice, counted). At 1 process all three see the same images.
 # - The flip: the project's sampler draws each image's flip (seeded) and mirrors the
 #   normalised tensor; the peers' RandomHorizontalFlip mirrors the 64 px PIL image.
-# - The project does more per run: the gradient norm every step (it is logged), one
-#   forward/backward of 2 blank images for its FLOP count, a progress bar, log.jsonl, an
+# - The project does more per run: the gradient norm every step (it is logged), a FLOP
+#   count (on the meta device: nothing computed), a progress bar, log.jsonl, an
 #   fsync of every checkpoint before it replaces the previous one, and best.pth (a second
 #   name for the best epoch's last.pth: no bytes more); last.pth (weights, AdamW, schedule,
 #   random streams, ~690 MB) is written in the background while the next epoch trains.

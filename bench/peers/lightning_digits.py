@@ -39,7 +39,7 @@ class DigitsAlexNet(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.images += len(y)
-        return self.criterion(self.model(x), y)  # under the Trainer's bf16 autocast
+        return self.criterion(self.model(x), y)  # under the Trainer's precision (bf16 autocast)
 
     def on_validation_epoch_start(self):
         self.counts.zero_()
