@@ -183,8 +183,8 @@ def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_p
 def test_loading_a_non_fused_state_keeps_the_fused_optimizer():
     """optimizer.load_state_dict restores the saved group's fused=None; a GradScaler, which
     chose at construction to let the fused optimizer handle inf/NaN, then hits the foreach
-    path's assertion. ampkit.machinery.checkpoint.load_optimizer_state keeps what was built."""
-    from ampkit.machinery.checkpoint import load_optimizer_state
+    path's assertion. ampkit.distributed.load_optimizer_state keeps what was built."""
+    from ampkit.distributed import load_optimizer_state
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)

@@ -2,8 +2,8 @@
 FSDP2 script joins itself (``train_DDP.py``): torchrun's environment (under plain
 ``python``, a group of one on a free local port), a store that keeps a restarted attempt's
 keys apart from the previous attempt's, this process's :class:`DistInfo`, the sums, maxima
-and gathers the loop and the logs need, the ranks' stop vote, what is resumed, and each
-rank's random streams. With CUDA the backend is NCCL, on the CPU gloo.
+and gathers the loop and the logs need, the ranks' stop vote, what is resumed (and an
+FSDP2 optimizer's saved state, sharded again), and each rank's random streams. With CUDA the backend is NCCL, on the CPU gloo.
 
 Each function here that takes ``info`` is a collective in a process group: every rank
 calls it, at the same point of the run, or the others wait (``GROUP_TIMEOUT``). In one
@@ -17,11 +17,13 @@ import os
 import signal
 import socket
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+from .machinery import checkpoint as ckpt_io
 from .machinery import resume
 from .machinery.devices import process_device
 from .machinery.errors import UserError
@@ -162,6 +164,29 @@ def agreed_resume_path(args, run_dir: Path, info: DistInfo) -> Optional[Path]:
     must hold the very file rank 0 resumes."""
     seen = gather_from_ranks([resume.what_this_rank_sees(args, run_dir)], info)
     return resume.agreed_path(seen, info.rank)
+
+
+# How an optimizer was built to run, not what it learned: kept when a state is loaded.
+_IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any],
+                         model: Optional[torch.nn.Module] = None) -> None:
+    """``optimizer.load_state_dict(state)``, keeping the implementation this optimizer was
+    built with (``model``: an FSDP2 model, whose full ``state`` is sharded again).
+    ``load_state_dict`` also restores each param group's saved ``fused`` /
+    ``foreach`` flags: a checkpoint written by a non-fused optimizer (another device, an
+    older run) would silently turn a fused AdamW back into the foreach one. With a
+    GradScaler that breaks outright: the scaler decided at construction that the
+    optimizer handles inf/NaN itself (fused), and the foreach path then asserts."""
+    built = [{k: g[k] for k in _IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
+    if model is not None and ckpt_io.is_sharded(model):  # a full state, sharded again on every rank
+        set_optimizer_state_dict(model, optimizer, state,
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
+    for group, flags in zip(optimizer.param_groups, built):
+        group.update(flags)
 
 
 def rank_random_states(info: DistInfo) -> List[dict]:

@@ -24,7 +24,8 @@ from torch import nn
 from torch.utils.data import Sampler
 
 from .distributed import (StopVote, agree_on_resumed, agreed_resume_path, any_rank, barrier,
-                          gather_from_ranks, local_main_first, rank_random_states, this_process)
+                          gather_from_ranks, load_optimizer_state, local_main_first,
+                          rank_random_states, this_process)
 from .engine import EpochStats, Parts, Technique, count_correct
 from .machinery import checkpoint as ckpt_io
 from .machinery.data import build_loaders, report_skipped, take_skipped
@@ -65,7 +66,9 @@ class EpochBook:
         args, info = self.args, self.info
         self.t, self.dp = t, any(isinstance(m, nn.DataParallel) for m in t.model.modules())
         self.logger.warn(slow_bf16(t.compute_dtype, info.device))
-        changed = load_states(self.resumed, t, scheduler, args)
+        if self.resumed.states:  # every rank: FSDP2 shards the full saved state again
+            load_optimizer_state(t.optimizer, self.resumed.states["optimizer"], t.model)
+        changed = load_states(self.resumed, t, scheduler, args)  # the schedule's, the scaler's
         if args.compile:
             compile_in_place(t.model)
         self.logger.print(where_it_starts(self.resumed, args, changed))

@@ -18,7 +18,6 @@ from typing import Any, BinaryIO, Dict, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from .errors import UserError, first_line
 
@@ -147,29 +146,6 @@ def load_weights(model: nn.Module, ckpt: Dict[str, Any], path: Path) -> None:
         arch = ckpt.get("arch") or "alexnet"
         raise UserError(f"{path}: weights do not fit this network ({arch} in the checkpoint; "
                         f"{first_line(e)})") from None
-
-
-# How an optimizer was built to run, not what it learned: kept when a state is loaded.
-_IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any],
-                         model: Optional[nn.Module] = None) -> None:
-    """``optimizer.load_state_dict(state)``, keeping the implementation this optimizer was
-    built with (``model``: an FSDP2 model, whose full ``state`` is sharded again).
-    ``load_state_dict`` also restores each param group's saved ``fused`` /
-    ``foreach`` flags: a checkpoint written by a non-fused optimizer (another device, an
-    older run) would silently turn a fused AdamW back into the foreach one. With a
-    GradScaler that breaks outright: the scaler decided at construction that the
-    optimizer handles inf/NaN itself (fused), and the foreach path then asserts."""
-    built = [{k: g[k] for k in _IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
-    if model is not None and is_sharded(model):  # a full state, sharded again on every rank
-        set_optimizer_state_dict(model, optimizer, state,
-                                 options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(state)
-    for group, flags in zip(optimizer.param_groups, built):
-        group.update(flags)
 
 
 def newest(folder: Path, flag: str = "--checkpoint") -> Path:

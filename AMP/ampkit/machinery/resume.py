@@ -182,13 +182,12 @@ def _restore_random_states(saved: Any, rank: int, world_size: int,
 
 
 def load_states(resumed: Resumed, technique, scheduler, args) -> str:
-    """The optimizer's (FSDP2: sharded again), LR schedule's and GradScaler's saved states,
-    into the objects the script's ``build()`` made. Returns what this run changes against
-    the checkpoint's run, in words ("" for nothing): see :func:`changes`."""
+    """The LR schedule's and GradScaler's saved states, into the objects the script's
+    ``build()`` made, after the optimizer's (``distributed.load_optimizer_state``, on every
+    rank). Returns what this run changes against the checkpoint's run, in words ("" for
+    nothing): see :func:`changes`."""
     if not resumed.states:
         return ""
-    ckpt_io.load_optimizer_state(technique.optimizer, resumed.states["optimizer"],
-                                 technique.model)
     scheduler.load_state_dict(resumed.states["scheduler"])
     if technique.scaler is not None and resumed.states["scaler"]:
         technique.scaler.load_state_dict(resumed.states["scaler"])
