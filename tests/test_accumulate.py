@@ -8,7 +8,6 @@ import copy
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch

@@ -15,7 +15,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from alexnet import AlexNet, alexnet
