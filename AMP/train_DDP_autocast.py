@@ -28,6 +28,9 @@ def build(parts: Parts) -> Technique:
     # A whole replica per process; backward() averages the gradients over them. The model is
     # on its device already (the article wrapped it first, then moved it).
     model = DistributedDataParallel(model)  # device_ids: the model's own device
+    # What the all-reduce sends, bucket by bucket (--comm_hook): the fp32 gradients, or cast
+    # to fp16/bf16 and back (half the bytes), or PowerSGD's low-rank factors; bytes counted.
+    model.register_comm_hook(parts.comm_hook.state, parts.comm_hook.hook)
     criterion = parts.criterion
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
     autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
@@ -80,7 +83,8 @@ def main(argv=None):
         def checkpoint():  # rank 0 writes it: the unwrapped weights, without DDP's
             # "module." prefix (the article saved it on every rank, prefix and all)
             return {"model": t.model.module.state_dict(), "optimizer": t.optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict()}
+                    "scheduler": scheduler.state_dict(),
+                    "comm_hook": run.parts.comm_hook.state_dict()}  # PowerSGD's step count
 
         for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
             sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank

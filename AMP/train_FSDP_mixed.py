@@ -5,8 +5,8 @@
 
 MixedPrecisionPolicy casts per block, not per operator as autocast does: FSDP2 casts a
 block's parameters to --amp_dtype as it gathers them (half the bytes moved) and the block
-computes in it; gradients are reduced in float32, and the shards, AdamW and the loss stay
-float32 (as torchtitan trains).
+computes in it; gradients are reduced in float32 (--reduce_dtype bfloat16: half the bytes),
+and the shards, AdamW and the loss stay float32 (as torchtitan trains).
 Pitfall: float16 still needs loss scaling (on for float16, off for bfloat16). Buffers are
 not cast: networks with BatchNorm (float32 statistics) take train_FSDP_autocast.py.
 """
@@ -29,13 +29,15 @@ from ampkit.train import Run
 
 def build(parts: Parts) -> Technique:
     check_param_dtype_fits(parts.model, parts.arch)  # BatchNorm: no (its statistics are fp32)
-    dtype, fp32 = parts.amp_dtype, torch.float32
+    dtype, reduce = parts.amp_dtype, parts.reduce_dtype  # --amp_dtype, --reduce_dtype
     model = parts.model.to(memory_format=torch.contiguous_format)  # what fully_shard takes
-    # Each block is gathered, cast to param_dtype, to run; reduced in float32.
+    # Each block is gathered, cast to param_dtype, to run; its gradients reduce-scattered in
+    # reduce_dtype (float32 by default; bfloat16 halves the bytes, and with --accum_steps the
+    # micro-batches' gradients also add up in it).
     for block in shard_units(model):  # each layer or residual block, then the root
-        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=fp32))
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce))
     model = fully_shard(model, mp_policy=MixedPrecisionPolicy(
-        param_dtype=dtype, reduce_dtype=fp32, output_dtype=fp32))
+        param_dtype=dtype, reduce_dtype=reduce, output_dtype=torch.float32))
     criterion = parts.criterion
     # After fully_shard, which replaced the parameters: AdamW over this process's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)

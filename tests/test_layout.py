@@ -137,10 +137,11 @@ def test_neighbours_differ_by_their_technique_only(a, b):
                if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
     if b.startswith("train_DDP") and not a.startswith("train_DDP"):
         # The whole of DDP's recipe: process group, wrapper, sampler, the counts' sum, the
-        # unwrapped weights, teardown (from DataParallel: its own wrapping out, too).
-        limit = 40 if a.startswith("train_DP") else 34
+        # unwrapped weights, the comm hook and its saved state, teardown (from
+        # DataParallel: its own wrapping out, too).
+        limit = 43 if a.startswith("train_DP") else 37
     elif b.startswith("train_FSDP") and a.startswith("train_DDP"):
-        limit = 28  # another wrapper, its own skip of a micro-batch's reduction, its state
+        limit = 31  # another wrapper, its own skip of a micro-batch's reduction, its state
     else:
         limit = 28 if b == "train_FSDP_mixed" else 16  # mixed: a scaler for fp16 alone
     assert len(changed) <= limit, "\n".join(changed)
@@ -212,7 +213,8 @@ def test_imports_run_one_way_plumbing_beneath_tools_above():
                    if _layer(dep) not in allowed[_layer(name)])
     assert not wrong, wrong
     assert {p.stem for p in (AMP_DIR / "ampkit").glob("*.py")} == {
-        "__init__", "engine", "train", "evaluate", "precision", "distributed", "models"}
+        "__init__", "engine", "train", "evaluate", "precision", "distributed", "models",
+        "comm_hooks"}
     assert {"measure", "report", "runner", "variants"} <= {p.stem for p in
                                                           (AMP_DIR / "tools").glob("*.py")}
 
@@ -248,8 +250,11 @@ def test_the_plumbing_is_single_process_every_collective_in_view():
         assert not _calls(path) & COLLECTIVES, (path.name, _calls(path) & COLLECTIVES)
         assert "import torch.distributed as dist" not in path.read_text(), path.name
     for path in (AMP_DIR / "ampkit").glob("*.py"):
-        if path.stem != "distributed":
+        if path.stem not in ("distributed", "comm_hooks"):
             assert "torch.distributed" not in path.read_text(), path.name
+    # The DDP hooks hand each bucket to PyTorch's own, whose all-reduce DDP runs in every
+    # rank's backward: no collective of their own.
+    assert not _calls(AMP_DIR / "ampkit" / "comm_hooks.py") & COLLECTIVES
 
 
 def test_no_function_imports_a_project_module():
@@ -280,7 +285,7 @@ def test_train_scripts_import_the_core_and_its_plumbing_alone(name):
     files = [AMP_DIR / (n.replace(".", "/") + ".py") for n in reached | {name}]
     lines = sum(_code_lines(f if f.exists() else f.with_suffix("") / "__init__.py")
                 for f in files)
-    assert lines <= 2600, lines
+    assert lines <= 2750, lines  # 2,700 with DDP's comm hooks
 
 
 def _code_lines(path) -> int:

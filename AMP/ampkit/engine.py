@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from .comm_hooks import CommHook
 from .distributed import StopVote, max_over_ranks, sum_over_ranks
 from .machinery.errors import UserError
 from .machinery.log import progress_bar
@@ -43,6 +44,8 @@ class Parts:
     lr: float = 1e-4                      # --lr, for the script's optimizer
     arch: str = "alexnet"                 # --arch: the network's name, for messages
     clip_grad: Optional[float] = None     # --clip_grad: the largest gradient norm (None: any)
+    comm_hook: CommHook = field(default_factory=CommHook)  # --comm_hook (DDP scripts)
+    reduce_dtype: torch.dtype = torch.float32  # --reduce_dtype (train_FSDP_mixed.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.amp_dtype, torch.dtype):

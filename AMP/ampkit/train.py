@@ -15,6 +15,7 @@ own teardown). :class:`EpochBook`, its base, is the bookkeeping the loop calls.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from functools import partial
 from typing import Callable, Iterator, Optional
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import Sampler
 
+from .comm_hooks import CommHook, default_start_iter
 from .distributed import (StopVote, agree_on_resumed, agreed_resume_path, any_rank, barrier,
                           gather_from_ranks, load_optimizer_state, local_main_first,
                           rank_random_states, this_process)
@@ -66,9 +68,13 @@ class EpochBook:
         args, info = self.args, self.info
         self.t, self.dp = t, any(isinstance(m, nn.DataParallel) for m in t.model.modules())
         self.logger.warn(slow_bf16(t.compute_dtype, info.device))
+        hook, saved_hook = self.parts.comm_hook, self.resumed.states.get("comm_hook")
         if self.resumed.states:  # every rank: FSDP2 shards the full saved state again
             load_optimizer_state(t.optimizer, self.resumed.states["optimizer"], t.model)
         changed = load_states(self.resumed, t, scheduler, args)  # the schedule's, the scaler's
+        if self.resumed.path is not None:  # PowerSGD's step count; what restarts, in words
+            changed = "\n".join(filter(None, [changed, hook.load_state_dict(saved_hook)]))
+        self.logger.warn(hook.caveat(info.world_size, t.scaler))
         if args.compile:
             compile_in_place(t.model)
         self.logger.print(where_it_starts(self.resumed, args, changed))
@@ -98,6 +104,7 @@ class EpochBook:
         self.epoch_start = (time.perf_counter(), self.t.optimizer.param_groups[0]["lr"],
                             reset_peak_memory(self.info.device, all_gpus=self.dp))
         self.t.model.train()
+        self.parts.comm_hook.reset_counts()  # the epoch's bytes on the wire
         return step0
 
     def so_far(self, epoch: int) -> Optional[EpochStats]:
@@ -173,7 +180,7 @@ class EpochBook:
         row = epoch_row(epoch, stats, [int(c) for c in counts], lr, seconds,
                         self.args, self.info, self.t.scaler, skipped, peaks, reset)
         row |= achieved(stats.images * self.flops_per_image, stats.seconds, self.peak,
-                        self.devices)
+                        self.devices) | self.parts.comm_hook.per_step()
         self.logger.epoch(row | self.save_timing, self.args.epochs, counts)
 
 
@@ -206,7 +213,8 @@ class Run(EpochBook):
         self.train_set = self.data.train_set  # what a DDP script's DistributedSampler draws
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
         self.image_shape = (3, args.img_size, args.img_size)
-        self.parts = _parts(args, info, self.data.num_classes, self.input_format)
+        self.parts = _parts(args, info, self.data.num_classes, self.input_format,
+                            len(self.train_set))
         self.flops_per_image = training_flops_per_image(self.parts.model, self.image_shape)
         self.resumed, failed = Resumed(), None
         try:
@@ -289,14 +297,20 @@ def _folders(args, info: DistInfo) -> tuple:
     return run_dir, lock, tb_dir
 
 
-def _parts(args, info: DistInfo, num_classes: int, memory_format: torch.memory_format) -> Parts:
+def _parts(args, info: DistInfo, num_classes: int, memory_format: torch.memory_format,
+           train_size: int) -> Parts:
     """The network, built from ``--seed`` alone (the same initial weights on every rank, for
     any world size; then this rank's own random streams), on the device; and the rest of
-    what a script's ``build()`` starts from."""
+    what a script's ``build()`` starts from (the comm hook's warm-up: from the run's steps)."""
     torch.manual_seed(args.seed)
     model = build_model(args.arch, num_classes, pretrained=args.pretrained)
     seed_streams(args.seed, info.rank, info.device.type == "cuda")  # dropout: each its own
     check_dp_scope(model, args.dp_scope, args.arch)
     model = model.to(info.device, memory_format=memory_format)
+    steps = math.ceil(math.ceil(math.ceil(train_size / info.world_size) / args.batch_size)
+                      / args.accum_steps) * args.epochs  # a DistributedSampler's shards
+    hook = CommHook(args.comm_hook, powersgd_rank=args.powersgd_rank or 1, seed=args.seed,
+                    start_iter=args.powersgd_start_iter or default_start_iter(steps))
     return Parts(info.device, model, nn.CrossEntropyLoss(), args.amp_dtype, args.dp_scope,
-                 lr=args.lr, arch=args.arch, clip_grad=args.clip_grad)
+                 lr=args.lr, arch=args.arch, clip_grad=args.clip_grad, comm_hook=hook,
+                 reduce_dtype=getattr(torch, args.reduce_dtype))

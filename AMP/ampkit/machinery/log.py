@@ -107,7 +107,9 @@ class RunLogger:
                    + achieved_text(row.get("tflops"), util)
                    + f"  grad_norm {row['grad_norm_mean']:.3g} (max {row['grad_norm_max']:.3g})"
                    + (f"  skipped_steps {row['skipped_steps']}  scale {scale:.0f}"
-                      if scale is not None else ""))
+                      if scale is not None else "")
+                   + (f"  wire {row['wire_mb_per_step']:.2f} MB/step ({row['comm_hook']})"
+                      if "wire_mb_per_step" in row else ""))
         self.record(row)
         self.scalars({"train/loss": row["train_loss"], "train/lr": row["lr"],
                       "val/accuracy": row["val_acc"], "time/epoch_seconds": row["epoch_time"],

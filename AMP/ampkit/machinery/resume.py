@@ -125,7 +125,7 @@ class Resumed:
     step: int = 0
     best_acc: float = -1.0
     best_epoch: int = -1
-    states: Dict[str, Any] = field(default_factory=dict)  # optimizer, scheduler, scaler
+    states: Dict[str, Any] = field(default_factory=dict)  # optimizer, scheduler, ...
     trained: Dict[str, Any] = field(default_factory=dict)  # the checkpoint's run's flags
     identity: Optional[Tuple[int, str]] = None  # of the bytes loaded (checkpoint.identity)
     so_far: Optional[Dict[str, Any]] = None  # a stopped epoch's figures up to its stop
@@ -157,7 +157,7 @@ def load_resume(path: Path, args, model: nn.Module, device: torch.device,
     streams = _restore_random_states(state.get("rng"), rank, world_size, device)
     return Resumed(path, int(state["epoch"]), int(state.get("step", 0)),
                    float(state.get("best_acc", -1.0)), int(state.get("best_epoch", -1)),
-                   {k: state.get(k) for k in ("optimizer", "scheduler", "scaler")},
+                   {k: state.get(k) for k in ("optimizer", "scheduler", "scaler", "comm_hook")},
                    state.get("args") or {}, identity, state.get("epoch_so_far"), streams)
 
 

@@ -33,7 +33,7 @@ RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng", "epoch_so_far")
 def checkpoint_state(saved: Dict[str, Any], args, info: DistInfo, counters: Dict[str, Any],
                      num_classes: int, random_states: Optional[List[dict]]) -> Dict[str, Any]:
     """The checkpoint's content (live tensors): the script's ``saved`` (``model``: its
-    unwrapped weights, ``optimizer``, ``scheduler``, ``scaler``), ``counters`` (epoch, step,
+    unwrapped weights, ``optimizer``, ``scheduler``, ``scaler``, DDP's ``comm_hook``), ``counters`` (epoch, step,
     best_acc, best_epoch, val_acc; at a stop the epoch's figures so far) and the run's
     metadata; with ``random_states`` (every rank's, in rank order), what only resuming
     needs. A wrapper's prefix still in a key (DataParallel around ``model.features``,
@@ -44,7 +44,8 @@ def checkpoint_state(saved: Dict[str, Any], args, info: DistInfo, counters: Dict
              "torch_version": str(torch.__version__)}
     if random_states is not None:
         state |= {"optimizer": saved["optimizer"], "scheduler": saved["scheduler"],
-                  "scaler": saved.get("scaler"), "rng": random_states}
+                  "scaler": saved.get("scaler"), "comm_hook": saved.get("comm_hook"),
+                  "rng": random_states}
     return state
 
 

@@ -1,0 +1,133 @@
+"""DDP's communication hooks through the training scripts' own build() and step, under torchrun.
+
+    torchrun --nproc_per_node=3 tests/helpers/wire_check.py
+
+Every rank builds the same small network (MobileNet V3, its dropout seeded alike) and takes
+optimizer steps over windows of unequal micro-batches (4, 1, 2 and 1 images on rank 0; 1, 3
+and 2 on the others), through the scripts' own build():
+- with --comm_hook bf16 (train_DDP.py) and fp16 (train_DDP_GradScaler.py: fp16 needs the
+  scaled gradients, or the smallest flush to zero) the gradients after a step must be those
+  of the fp32 all-reduce (--comm_hook none) to the wire dtype's precision, tensor by tensor,
+  and not bit for bit (the hook did cast); one all-reduce round a step; half the bytes;
+- with powersgd (rank 1, warm-up of 2 steps) under train_DDP_GradScaler.py, a step whose
+  input holds an inf (an overflow on every rank's gradients) is skipped, and every later
+  step trains: none skipped, finite losses, PowerSGD's error feedback and Q finite;
+- train_FSDP_mixed.py (a small network without BatchNorm) with --reduce_dtype bfloat16 /
+  float16, over 3 micro-batches of the same (the
+  micro-batches' gradients add up in that dtype): every gradient after the step is a value
+  of the reduce dtype (what crossed the wire), and the float32 reduce's to its precision.
+Prints the figures; exits 1 on a mismatch.
+"""
+import copy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "AMP"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import train_DDP  # noqa: E402
+import train_DDP_GradScaler  # noqa: E402
+import train_FSDP_mixed  # noqa: E402
+from ampkit.comm_hooks import CommHook  # noqa: E402
+from ampkit.engine import Parts  # noqa: E402
+from ampkit.models import build_model  # noqa: E402
+from ampkit.precision import SkippedSteps  # noqa: E402
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = build_model("mobilenet_v3_small", 3)
+gen = torch.Generator().manual_seed(1 + rank)
+cuts = [0, 4, 5, 7, 8] if rank == 0 else [0, 1, 4, 6]  # unequal windows, unequal ranks
+images = torch.randn(cuts[-1], 3, 64, 64, generator=gen)
+targets = torch.randint(0, 3, (cuts[-1],), generator=gen)
+window = [(images[a:b], targets[a:b]) for a, b in zip(cuts, cuts[1:])]
+failures = []
+
+
+def one_step(script, hook: CommHook):
+    torch.manual_seed(5)  # the same dropout in every run, on every rank
+    t = script.build(Parts(torch.device("cpu"), copy.deepcopy(model), nn.CrossEntropyLoss(),
+                           amp_dtype=torch.bfloat16, comm_hook=hook))
+    t.step(window)
+    return {name: p.grad.clone() for name, p in t.model.named_parameters()}
+
+
+def worst(grads, want) -> float:
+    return max(((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item()
+               for n, g in want.items())
+
+
+lines = []
+for name, script, tolerance in (("bf16", train_DDP, 1.5e-2),
+                                ("fp16", train_DDP_GradScaler, 2e-3)):
+    fp32, hook = CommHook("none"), CommHook(name)
+    want = one_step(script, fp32)
+    diff = worst(one_step(script, hook), want)
+    lines.append(f"{script.__name__}: none {fp32.bytes_sent} bytes, {fp32.rounds} round; "
+                 f"{name}: {hook.bytes_sent} bytes ({hook.bytes_sent / fp32.bytes_sent:.3f} "
+                 f"of fp32), {hook.rounds} round, largest relative difference {diff:.2e}")
+    if not (0 < diff < tolerance) or hook.rounds != 1 or 2 * hook.bytes_sent != fp32.bytes_sent:
+        failures.append(name)
+
+# PowerSGD under GradScaler: 2 warm-up steps, 2 compressed, one overflow, then 4 more.
+hook = CommHook("powersgd", powersgd_rank=1, start_iter=2, seed=0)
+t = train_DDP_GradScaler.build(Parts(torch.device("cpu"), copy.deepcopy(model),
+                                     nn.CrossEntropyLoss(), amp_dtype=torch.bfloat16,
+                                     comm_hook=hook))
+torch.manual_seed(5)
+skipped, losses, per_step = SkippedSteps(t.scaler, torch.device("cpu")), [], []
+poisoned = [(images.clone().index_put_((torch.tensor(0),), torch.tensor(float("inf"))),
+             targets)] if rank == 0 else window
+for step in range(9):
+    before = hook.bytes_sent
+    with skipped.watch():
+        loss, _ = t.step(poisoned if step == 4 else window)
+    per_step.append(hook.bytes_sent - before)
+    losses.append(loss.item())
+    if step == 4 and not skipped.last.item():
+        failures.append("the overflowing step was not skipped")
+after = losses[5:]
+memory = list(hook.state.error_dict.values()) + list(hook.state.q_memory_dict.values())
+finite_memory = all(torch.isfinite(m).all().item() for m in memory)
+lines.append(f"powersgd: bytes per step {per_step}, skipped {skipped.count.item()} of 9, "
+             f"losses after the overflow {[round(v, 3) for v in after]}, memory finite "
+             f"{finite_memory}")
+if skipped.count.item() != 1 or not all(map(torch.isfinite, torch.tensor(after))) \
+        or not finite_memory or not per_step[3] < per_step[0]:
+    failures.append("powersgd")
+
+
+torch.manual_seed(0)  # without BatchNorm, which train_FSDP_mixed.py leaves to autocast
+small = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(),
+                                    nn.Conv2d(8, 16, 3, stride=2), nn.ReLU()),
+                      nn.Flatten(), nn.Sequential(nn.Linear(16 * 15 * 15, 64), nn.ReLU(),
+                                                  nn.Linear(64, 3)))
+
+
+def fsdp_step(reduce_dtype: torch.dtype) -> dict:
+    t = train_FSDP_mixed.build(Parts(torch.device("cpu"), copy.deepcopy(small),
+                                     nn.CrossEntropyLoss(), amp_dtype=torch.bfloat16,
+                                     reduce_dtype=reduce_dtype))
+    t.step(window[:3])  # as many micro-batches on every rank: each forward gathers
+    return {name: p.grad.full_tensor() for name, p in t.model.named_parameters()}
+
+
+want = fsdp_step(torch.float32)
+for dtype, tolerance in ((torch.bfloat16, 1.5e-2), (torch.float16, 2e-3)):
+    grads = fsdp_step(dtype)
+    of_dtype = all(bool((g.to(dtype).float() == g).all()) for g in grads.values())
+    fp32_of_dtype = all(bool((g.to(dtype).float() == g).all()) for g in want.values())
+    diff = worst(grads, want)
+    lines.append(f"FSDP2 reduce {str(dtype)[6:]}: gradients all {str(dtype)[6:]} values "
+                 f"{of_dtype} (float32 reduce: {fp32_of_dtype}), largest relative "
+                 f"difference {diff:.2e}")
+    if not of_dtype or fp32_of_dtype or not diff < tolerance:
+        failures.append(f"FSDP2 {dtype}")
+if rank == 0:
+    print("\n".join(lines + [f"FAILED: {failures}" if failures else "OK"]), flush=True)
+dist.destroy_process_group()
+sys.exit(1 if failures else 0)

@@ -1,0 +1,79 @@
+"""What travels between the processes: --comm_hook on the DDP scripts, --reduce_dtype on FSDP2.
+
+The hooks' numbers (gradients against the fp32 all-reduce, one round a step, half the bytes,
+an overflow under PowerSGD + GradScaler, FSDP2's reduce dtype) are checked at 3 gloo
+processes by tests/helpers/wire_check.py under torchrun; the flags, the epoch line's bytes
+and a resume's words in-process, in a group of one.
+"""
+import json
+import os
+import subprocess
+
+import pytest
+
+from ampkit.models import build_model
+from conftest import PYTHON, REPO_ROOT, assert_no_traceback_of_ours, run_main, tiny_args
+
+
+@pytest.mark.parametrize("script, flags, says", [
+    ("train_DP", ["--comm_hook", "bf16"], "DataParallel sums the gradients on one GPU"),
+    ("train_without", ["--comm_hook", "fp16"], "one device sends no gradients anywhere"),
+    ("train_FSDP_autocast", ["--comm_hook", "powersgd"], "train_FSDP_mixed.py has --reduce_dtype"),
+    ("train_DDP", ["--powersgd_rank", "2"], "tune --comm_hook powersgd"),
+    ("train_DDP", ["--comm_hook", "powersgd", "--powersgd_start_iter", "1"], "at least 2"),
+    ("train_DDP", ["--comm_hook", "powersgd", "--powersgd_rank", "0"], "positive integer"),
+    ("train_DDP_GradScaler", ["--reduce_dtype", "bfloat16"], "the DDP scripts have --comm_hook"),
+])
+def test_a_wire_flag_the_run_cannot_honour_is_refused_in_one_line(script, flags, says,
+                                                                  imagefolder_root, tmp_path):
+    res = run_main(script, *tiny_args(tmp_path, imagefolder_root), *flags)
+    assert res.returncode == 2, res.describe()
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], res.describe()
+    assert not (tmp_path / "checkpoint").exists()  # refused before the run folder
+
+
+def _rows(run_dir):
+    return [r for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())
+            if "val_acc" in r]
+
+
+def test_powersgd_counts_its_bytes_and_a_resume_says_what_restarts(imagefolder_root, tmp_path,
+                                                                  gloo_free=None):
+    args = tiny_args(tmp_path, imagefolder_root, epochs=1) + [
+        "--comm_hook", "powersgd", "--powersgd_start_iter", "2"]
+    first = run_main("train_DDP_GradScaler", *args)
+    assert first.returncode == 0, first.describe()
+    assert "in a group of one process: nothing travels" in first.stderr, first.describe()
+    run_dir = tmp_path / "checkpoint" / "train_DDP_GradScaler"
+    (row,) = _rows(run_dir)
+    # 48 images in batches of 16: 2 plain all-reduce steps of AlexNet's 57.0 M fp32
+    # gradients (3 classes), then one step of rank-1 factors, counted at the hook.
+    params_mb = sum(p.numel() for p in build_model("alexnet", 3).parameters()) * 4 / 1e6
+    assert row["optimizer_steps"] == 3 and row["comm_hook"] == "powersgd"
+    assert 2 * params_mb / 3 < row["wire_mb_per_step"] < params_mb, row
+    assert f"wire {row['wire_mb_per_step']:.2f} MB/step (powersgd)" in first.stdout
+
+    again = run_main("train_DDP_GradScaler", *args[:-4], "--epochs", "2", "--resume",
+                     "--comm_hook", "powersgd", "--powersgd_start_iter", "2")
+    assert again.returncode == 0, again.describe()
+    assert "PowerSGD's error feedback and warm start restart from zero" in again.stdout
+    assert "its step count goes on at 3" in again.stdout, again.stdout
+    second = _rows(run_dir)[-1]  # compressed from its first step: no warm-up again
+    assert second["wire_mb_per_step"] < params_mb / 100, second
+
+    plain = run_main("train_DDP_GradScaler", *args[:-4], "--epochs", "3", "--resume")
+    assert plain.returncode == 0, plain.describe()
+    assert "--comm_hook none (was powersgd)" in plain.stdout, plain.stdout
+    assert _rows(run_dir)[-1]["wire_mb_per_step"] == pytest.approx(params_mb)
+
+
+@pytest.mark.slow
+def test_hooks_at_three_processes_match_fp32_reduce_once_a_step_and_survive_an_overflow():
+    res = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=3", "tests/helpers/wire_check.py"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert_no_traceback_of_ours(res.stdout, res.stderr)
+    assert res.stdout.strip().endswith("OK"), res.stdout
