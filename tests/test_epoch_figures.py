@@ -127,7 +127,7 @@ def test_every_epoch_trains_in_a_new_order(script, imagefolder_root, tmp_path, c
 
 
 def test_several_processes_without_a_distributed_sampler_are_refused():
-    from ampkit.machinery.datasets import one_process_sampler
+    from ampkit.machinery.samplers import one_process_sampler
     from ampkit.machinery.errors import UserError
 
     assert len(one_process_sampler(10, 0)) == 10

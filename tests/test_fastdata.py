@@ -23,7 +23,8 @@ from torch.utils.data import DistributedSampler
 
 from ampkit.machinery.ranks import DistInfo
 from ampkit.machinery.data import eval_loader, train_loader
-from ampkit.machinery.datasets import STD, build_datasets, build_transform, one_process_sampler
+from ampkit.machinery.datasets import STD, build_datasets, build_transform
+from ampkit.machinery.samplers import one_process_sampler
 from ampkit.machinery.errors import UserError
 from ampkit.machinery.fastdata import DeviceLoader, fast_loaders, fits_in_memory, load_uint8
 from tools.measure import measure_input_pipeline, write_cifar10

@@ -167,9 +167,9 @@ def _cifar(root: Path, archive: bool, *extra: tarfile.TarInfo, broken: bool = Tr
 
 def _trust_the_archive(root: Path, monkeypatch) -> None:
     """Take the test archive's md5 for CIFAR-10's published one (the real archive is 163 MB)."""
-    from ampkit.machinery import datasets
+    from ampkit.machinery import cifar
 
-    monkeypatch.setattr(datasets, "ARCHIVE_MD5", hashlib.md5((root / ARCHIVE).read_bytes()).hexdigest())
+    monkeypatch.setattr(cifar, "ARCHIVE_MD5", hashlib.md5((root / ARCHIVE).read_bytes()).hexdigest())
 
 
 def _files(tmp_path: Path) -> dict:

@@ -32,7 +32,6 @@ from .engine import EpochStats, Parts, Technique, count_correct
 from .machinery import checkpoint as ckpt_io
 from .machinery.data import build_loaders, report_skipped, take_skipped
 from .machinery.devices import single_process_device
-from .machinery.datasets import one_process_sampler
 from .machinery.errors import Interrupted, UserError
 from .machinery.flops import achieved, run_peak, training_flops_per_image
 from .machinery.log import RunLogger, epoch_row, header_line, summary_line
@@ -42,6 +41,7 @@ from .machinery.ranks import DistInfo, seed_streams
 from .machinery.run_folder import claim_run_dir, prepare_run_dir
 from .machinery.resume import Resumed, load_resume, load_states, where_it_starts
 from .machinery.saving import SavePolicy, checkpoint_state
+from .machinery.samplers import one_process_sampler
 from .machinery.signals import StopFlag, StopSignals, exit_status, stopped_line
 from .models import build_model, check_dp_scope
 from .precision import SkippedSteps, compile_in_place, set_tf32, slow_bf16

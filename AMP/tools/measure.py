@@ -61,7 +61,8 @@ from ampkit.distributed import StopVote, elastic_store, this_process, torchrun_e
 from ampkit.machinery.ranks import DistInfo, synchronize
 from ampkit.engine import Parts, train_one_epoch
 from ampkit.machinery.data import train_loader
-from ampkit.machinery.datasets import CIFAR10, build_datasets
+from ampkit.machinery.cifar import CIFAR10
+from ampkit.machinery.datasets import build_datasets
 from ampkit.machinery.fastdata import fast_loaders
 from ampkit.machinery.flops import training_flops_per_image
 from ampkit.machinery.memory import memory_kind, peak_memory_mb, reset_peak_memory

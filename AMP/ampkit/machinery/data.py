@@ -17,9 +17,9 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sized
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .datasets import (BadImage, IndexSampler, ResumableSampler, Unreadable, build_datasets,
-                       Substituted, collate_readable, collate_substituted,
-                       one_process_sampler)
+from .datasets import (BadImage, Unreadable, build_datasets, Substituted, collate_readable,
+                       collate_substituted)
+from .samplers import IndexSampler, ResumableSampler, one_process_sampler
 from .ranks import DistInfo
 from .errors import UserError
 from .fastdata import fast_loaders, fits_in_memory
@@ -31,7 +31,7 @@ def default_workers(num_workers: Optional[int], device: torch.device) -> int:
 
 
 class CheckedLoader:
-    """A DataLoader whose unreadable images (see :class:`ampkit.datasets.ImageFolder`) stop
+    """A DataLoader whose unreadable images (see :class:`.datasets.ImageFolder`) stop
     the run with a one-line error naming the first, or with ``skip`` are left out of their
     batch and listed in ``skipped`` (emptied by its reader, e.g. once per epoch)."""
 

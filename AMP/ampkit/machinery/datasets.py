@@ -1,195 +1,39 @@
-"""Data sets, transforms and samplers: what both input paths (classic and fast) read.
+"""Data sets and transforms: what both input paths (classic and fast) read.
 
-CIFAR-10 through torchvision, downloaded into ``--dataset_root`` by one process per node
-(no network: the error says where to put the archive), checked against its md5 and member
-by member before anything is extracted, its labels checked to be classes; ImageFolder
-(``<root>/train/<class>/*``, ``<root>/val/<class>/*``); FakeData. Training takes a seeded
-permutation per epoch from a ``DistributedSampler`` (:class:`ResumableSampler`: a resumed
-epoch skips what it saw); validation gives each rank every world_size-th sample, unpadded.
+CIFAR-10 (:mod:`.cifar`); ImageFolder (``<root>/train/<class>/*``, ``<root>/val/<class>/*``),
+whose unreadable images become :class:`Unreadable` samples, reported or passed over by the
+loaders; FakeData. Each image is resized and normalised with ImageNet's statistics; the
+order the samples are read in is :mod:`.samplers`'.
 """
 from __future__ import annotations
 
-import itertools
-import numbers
 import os
-import pickle
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
-import numpy as np
-import torch
 import torchvision
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import Dataset, DistributedSampler, Sampler, default_collate
+from torch.utils.data import Dataset, default_collate
 from torchvision import transforms
-from torchvision.datasets.utils import calculate_md5, download_url
 
-from .ranks import DistInfo, derived_seed
+from .cifar import CIFAR_CLASSES, check_cifar_root, cifar10
+from .ranks import DistInfo
 from .errors import RankError, UserError
 
 # ImageNet statistics: standard for AlexNet and what its pretrained weights expect.
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 FAKE_TRAIN_SIZE, FAKE_VAL_SIZE = 1000, 200
-NUM_CLASSES = {"CIFAR10": 10, "FakeData": 10}  # ImageFolder: its number of class folders
-
-
-CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
-ARCHIVE_MD5 = torchvision.datasets.CIFAR10.tgz_md5  # the published archive's
-
-
-class CIFAR10(torchvision.datasets.CIFAR10):
-    """torchvision's CIFAR10, trusting extracted batch files that exist, and extracting the
-    archive only after :func:`extract_cifar_archive`'s checks.
-
-    torchvision re-hashes the 178 MB of extracted files (md5) at every start; the archive
-    is hashed once, before it is extracted.
-    """
-
-    def _files(self):
-        names = [f for f, _ in self.train_list + self.test_list] + [self.meta["filename"]]
-        return [os.path.join(self.root, self.base_folder, n) for n in names]
-
-    def _check_integrity(self) -> bool:
-        return all(os.path.isfile(p) for p in self._files())
-
-    def _load_meta(self) -> None:
-        path = os.path.join(self.root, self.base_folder, self.meta["filename"])
-        with open(path, "rb") as f:
-            self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
-        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-
-    def download(self) -> None:
-        """torchvision's own extracts without a filter: a ``../`` member, an absolute path or
-        a link in a tampered archive would write outside ``root``."""
-        if self._check_integrity():
-            return
-        archive = Path(self.root) / CIFAR_ARCHIVE
-        if not archive.is_file():  # one put there is checked, never downloaded over
-            # No md5 here: extract_cifar_archive hashes the 163 MB once, and says what is wrong.
-            download_url(self.url, self.root, CIFAR_ARCHIVE)
-        extract_cifar_archive(archive, Path(self.root))
-
-
-def _unsafe_member(member: tarfile.TarInfo) -> Optional[str]:
-    """Why ``member`` may not be extracted; None if it may. CIFAR-10's archive holds files and
-    folders at relative paths only: anything else could write outside the folder."""
-    if member.name.startswith("/") or os.path.isabs(member.name):
-        return "has an absolute path"
-    if ".." in member.name.replace("\\", "/").split("/"):
-        return "leads out of the folder with '..'"
-    if member.issym() or member.islnk():
-        kind = "symbolic" if member.issym() else "hard"
-        return f"is a {kind} link (to {member.linkname!r})"
-    if not (member.isfile() or member.isdir()):
-        return "is not a regular file or folder"
-    return None
-
-
-def extract_cifar_archive(archive: Path, root: Path) -> None:
-    """Extract ``archive`` into ``root`` once it has CIFAR-10's published md5 and every member
-    is safe; else a UserError naming it, and nothing written."""
-    md5 = calculate_md5(str(archive))
-    if md5 != ARCHIVE_MD5:
-        raise UserError(f"{archive}: checksum mismatch (md5 {md5}, CIFAR-10's archive has "
-                        f"{ARCHIVE_MD5}): nothing was extracted. Delete it to download CIFAR-10 "
-                        "again, or put the one from https://www.cs.toronto.edu/~kriz/ there")
-    with tarfile.open(archive, "r:gz") as tar:
-        members = tar.getmembers()
-        for member in members:  # all of them before anything is written
-            why = _unsafe_member(member)
-            if why is not None:
-                raise UserError(f"{archive}: nothing was extracted: its member {member.name!r} "
-                                f"{why} (CIFAR-10's archive holds only files and folders, "
-                                "inside the folder it is extracted to)")
-        # The stdlib's own check too, where this Python has it (3.11.4, 3.10.12 and later).
-        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        tar.extractall(root, members, **safe)
+# ImageFolder: its number of class folders.
+NUM_CLASSES = {"CIFAR10": CIFAR_CLASSES, "FakeData": 10}
 
 
 def build_transform(img_size: int) -> transforms.Compose:
     """What both splits' images go through; a training image's flip is its sampler's
-    (:class:`ResumableSampler`), not a random transform's."""
+    (:class:`.samplers.ResumableSampler`), not a random transform's."""
     return transforms.Compose([transforms.Resize((img_size, img_size), antialias=True),
                                transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
-
-
-def _bad_label(labels: Sequence) -> Optional[int]:
-    """Index of the first label that is not a class index (an int in 0..9); None if all are.
-    Out of range it fails the first step, and a float is cast to an int without a word."""
-    classes = NUM_CLASSES["CIFAR10"]
-    for i, y in enumerate(labels):
-        if isinstance(y, bool) or not isinstance(y, numbers.Integral) or not 0 <= y < classes:
-            return i
-    return None
-
-
-def _broken_cifar_file(folder: Path) -> Optional[Tuple[Path, str]]:
-    """The first extracted CIFAR-10 file that cannot be read as one, and why; None if all can."""
-    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    for name in names + ["batches.meta"]:
-        path = folder / name
-        try:
-            with open(path, "rb") as f:
-                entry = pickle.load(f, encoding="latin1")
-            if name in names:
-                images = np.asarray(entry["data"]).reshape(-1, 3, 32, 32)
-                labels = entry["labels"]
-                if len(labels) != len(images):
-                    raise ValueError(f"{len(images)} images but {len(labels)} labels")
-                bad = _bad_label(labels)
-                if bad is not None:
-                    raise ValueError(f"label {labels[bad]!r} of image {bad} is not a class "
-                                     f"index 0..{NUM_CLASSES['CIFAR10'] - 1}")
-        except Exception as e:  # whatever a broken pickle raises
-            return path, (str(e).splitlines() or [type(e).__name__])[0][:160]
-    return None
-
-
-def _load_cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
-    data = CIFAR10(str(root), train=train, transform=transform, download=download)
-    if _bad_label(data.targets) is not None:  # _broken_cifar_file names the file
-        raise ValueError("a label that is not a class index")
-    return data
-
-
-def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
-    """torchvision's CIFAR-10 under ``root``. Broken extracted files are named, and extracted
-    again from the archive when it lies beside them (by the process allowed to download)."""
-    try:
-        return _load_cifar10(root, train, transform, download)
-    except UserError:  # a bad archive: already one line
-        raise
-    except Exception as e:  # URLError, socket errors, broken files: one line
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-    folder, archive = Path(root) / CIFAR10.base_folder, Path(root) / CIFAR_ARCHIVE
-    broken = _broken_cifar_file(folder) if folder.is_dir() else None
-    if broken is None:
-        raise UserError(
-            f"CIFAR-10 is not in {root} and could not be downloaded ({reason}). Without a "
-            f"network, put {CIFAR_ARCHIVE} (from https://www.cs.toronto.edu/~kriz/) in "
-            f"{root}, or use --dataset ImageFolder or --dataset FakeData")
-    path, why = broken
-    if download and archive.is_file():
-        try:
-            extract_cifar_archive(archive, Path(root))
-            data = _load_cifar10(root, train, transform, download=False)
-            print(f"{path} was broken ({why}): extracted it again from {archive}", flush=True)
-            return data
-        except UserError:  # a bad archive, not extracted: that is what to fix first
-            raise
-        except Exception as e2:
-            why += f"; extracting {archive} again did not help: {(str(e2).splitlines() or [''])[0]}"
-    raise UserError(f"{path}: a broken CIFAR-10 file ({why}). Delete {folder} and run again to "
-                    f"download CIFAR-10, or put a good {CIFAR_ARCHIVE} in {root} to extract it "
-                    "again")
-
-
-def check_cifar_root(root: Path) -> None:
-    if root.exists() and not root.is_dir():
-        raise UserError(f"--dataset_root {root} is a file, not a folder")
 
 
 class BadImage(RankError):
@@ -319,73 +163,3 @@ def build_datasets(name: str, root: Path, img_size: int, info: DistInfo,
         val_set = fake(FAKE_VAL_SIZE, size, 10, val_tf, random_offset=FAKE_TRAIN_SIZE)
         return Datasets(train_set, val_set, NUM_CLASSES[name])
     raise UserError(f"unknown --dataset {name!r}")
-
-
-class ResumableSampler(Sampler[int]):
-    """A training sampler (the script's ``DistributedSampler``) from ``start_index`` of its
-    epoch on: a run resumed mid-epoch skips what it trained on before it stopped (all of
-    it, after a stop in the epoch's last step). The epoch is the sampler's own
-    (``set_epoch`` is the script's, or the trainer's for a one-process script).
-
-    It also draws each sample's horizontal flip, from (seed, epoch, rank) alone: the same
-    flips on both input paths, in a resumed epoch as in the interrupted one, and none of
-    the random stream that dropout draws from. ``pairs``: it yields ``(index, flip)`` (the
-    classic path's :class:`Substituted` takes them); else the indices, and the fast path
-    takes :meth:`flips`."""
-
-    def __init__(self, sampler: Sampler[int], pairs: bool = False) -> None:
-        self.sampler, self.pairs = sampler, pairs
-        self.start_index = 0
-        self.seed, self.rank = getattr(sampler, "seed", 0), getattr(sampler, "rank", 0)
-
-    @property
-    def epoch(self) -> int:
-        return getattr(self.sampler, "epoch", 0)
-
-    @property
-    def num_samples(self) -> int:
-        """This rank's samples in a whole epoch."""
-        return len(self.sampler)
-
-    def flips(self) -> torch.Tensor:
-        """Whether each sample of this epoch from ``start_index`` on is mirrored (bool, on
-        the host)."""
-        gen = torch.Generator().manual_seed(derived_seed(self.seed, 0, self.epoch, self.rank))
-        return (torch.rand(self.num_samples, generator=gen) < 0.5)[self.start_index:]
-
-    def __iter__(self) -> Iterator:
-        indices = itertools.islice(iter(self.sampler), self.start_index, None)
-        return zip(indices, self.flips().tolist()) if self.pairs else indices
-
-    def __len__(self) -> int:
-        return max(0, self.num_samples - self.start_index)
-
-
-def one_process_sampler(size: int, seed: int, world_size: int = 1) -> DistributedSampler:
-    """The training order of a script that runs in one process: ``DistributedSampler``'s for
-    one replica, so every variant shuffles the same way for the same seed and epoch.
-    Under a process group of several (``world_size``) that would give every process all of
-    the data: a DDP script makes its own DistributedSampler."""
-    if world_size > 1:
-        raise UserError(f"{world_size} processes need a DistributedSampler, or each would "
-                        "train on all of the data")
-    return DistributedSampler(range(size), num_replicas=1, rank=0, shuffle=True, seed=seed)
-
-
-class IndexSampler(Sampler[int]):
-    """The given indices, in order. ``indices`` may be replaced between epochs (an eval
-    script choosing its shard); validation starts with this rank's shard."""
-
-    def __init__(self, indices: Sequence[int]) -> None:
-        self.indices = indices
-
-    @classmethod
-    def shard(cls, size: int, info: DistInfo) -> "IndexSampler":
-        """Every world_size-th index from ``rank``: disjoint shards covering each sample once."""
-        return cls(range(info.rank, size, info.world_size))
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 import torchvision
 from torch.utils.data import Sampler, TensorDataset
 
-from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD, IndexSampler,
-                       ResumableSampler, check_cifar_root, cifar10, one_process_sampler)
+from .cifar import check_cifar_root, cifar10
+from .datasets import FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD
+from .samplers import IndexSampler, ResumableSampler, one_process_sampler
 from .ranks import DistInfo
 from .errors import UserError
 

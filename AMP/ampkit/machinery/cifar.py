@@ -1,0 +1,169 @@
+"""CIFAR-10: torchvision's data set, and the checks on its archive and its files.
+
+Downloaded into ``--dataset_root`` by one process per node (no network: the error says
+where to put the archive), checked against its md5 and member by member before anything
+is extracted, its labels checked to be classes. A broken extracted file is named, and
+extracted again from the archive when it lies beside it.
+"""
+from __future__ import annotations
+
+import numbers
+import os
+import pickle
+import tarfile
+from pathlib import Path
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+import torchvision
+from torchvision.datasets.utils import calculate_md5, download_url
+
+from .errors import UserError
+
+CIFAR_CLASSES = 10  # its labels: 0..9
+CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
+ARCHIVE_MD5 = torchvision.datasets.CIFAR10.tgz_md5  # the published archive's
+
+
+class CIFAR10(torchvision.datasets.CIFAR10):
+    """torchvision's CIFAR10, trusting extracted batch files that exist, and extracting the
+    archive only after :func:`extract_cifar_archive`'s checks.
+
+    torchvision re-hashes the 178 MB of extracted files (md5) at every start; the archive
+    is hashed once, before it is extracted.
+    """
+
+    def _files(self):
+        names = [f for f, _ in self.train_list + self.test_list] + [self.meta["filename"]]
+        return [os.path.join(self.root, self.base_folder, n) for n in names]
+
+    def _check_integrity(self) -> bool:
+        return all(os.path.isfile(p) for p in self._files())
+
+    def _load_meta(self) -> None:
+        path = os.path.join(self.root, self.base_folder, self.meta["filename"])
+        with open(path, "rb") as f:
+            self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+
+    def download(self) -> None:
+        """torchvision's own extracts without a filter: a ``../`` member, an absolute path or
+        a link in a tampered archive would write outside ``root``."""
+        if self._check_integrity():
+            return
+        archive = Path(self.root) / CIFAR_ARCHIVE
+        if not archive.is_file():  # one put there is checked, never downloaded over
+            # No md5 here: extract_cifar_archive hashes the 163 MB once, and says what is wrong.
+            download_url(self.url, self.root, CIFAR_ARCHIVE)
+        extract_cifar_archive(archive, Path(self.root))
+
+
+def _unsafe_member(member: tarfile.TarInfo) -> Optional[str]:
+    """Why ``member`` may not be extracted; None if it may. CIFAR-10's archive holds files and
+    folders at relative paths only: anything else could write outside the folder."""
+    if member.name.startswith("/") or os.path.isabs(member.name):
+        return "has an absolute path"
+    if ".." in member.name.replace("\\", "/").split("/"):
+        return "leads out of the folder with '..'"
+    if member.issym() or member.islnk():
+        kind = "symbolic" if member.issym() else "hard"
+        return f"is a {kind} link (to {member.linkname!r})"
+    if not (member.isfile() or member.isdir()):
+        return "is not a regular file or folder"
+    return None
+
+
+def extract_cifar_archive(archive: Path, root: Path) -> None:
+    """Extract ``archive`` into ``root`` once it has CIFAR-10's published md5 and every member
+    is safe; else a UserError naming it, and nothing written."""
+    md5 = calculate_md5(str(archive))
+    if md5 != ARCHIVE_MD5:
+        raise UserError(f"{archive}: checksum mismatch (md5 {md5}, CIFAR-10's archive has "
+                        f"{ARCHIVE_MD5}): nothing was extracted. Delete it to download CIFAR-10 "
+                        "again, or put the one from https://www.cs.toronto.edu/~kriz/ there")
+    with tarfile.open(archive, "r:gz") as tar:
+        members = tar.getmembers()
+        for member in members:  # all of them before anything is written
+            why = _unsafe_member(member)
+            if why is not None:
+                raise UserError(f"{archive}: nothing was extracted: its member {member.name!r} "
+                                f"{why} (CIFAR-10's archive holds only files and folders, "
+                                "inside the folder it is extracted to)")
+        # The stdlib's own check too, where this Python has it (3.11.4, 3.10.12 and later).
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(root, members, **safe)
+
+
+def _bad_label(labels: Sequence) -> Optional[int]:
+    """Index of the first label that is not a class index (an int in 0..9); None if all are.
+    Out of range it fails the first step, and a float is cast to an int without a word."""
+    for i, y in enumerate(labels):
+        if isinstance(y, bool) or not isinstance(y, numbers.Integral) or not 0 <= y < CIFAR_CLASSES:
+            return i
+    return None
+
+
+def _broken_cifar_file(folder: Path) -> Optional[Tuple[Path, str]]:
+    """The first extracted CIFAR-10 file that cannot be read as one, and why; None if all can."""
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for name in names + ["batches.meta"]:
+        path = folder / name
+        try:
+            with open(path, "rb") as f:
+                entry = pickle.load(f, encoding="latin1")
+            if name in names:
+                images = np.asarray(entry["data"]).reshape(-1, 3, 32, 32)
+                labels = entry["labels"]
+                if len(labels) != len(images):
+                    raise ValueError(f"{len(images)} images but {len(labels)} labels")
+                bad = _bad_label(labels)
+                if bad is not None:
+                    raise ValueError(f"label {labels[bad]!r} of image {bad} is not a class "
+                                     f"index 0..{CIFAR_CLASSES - 1}")
+        except Exception as e:  # whatever a broken pickle raises
+            return path, (str(e).splitlines() or [type(e).__name__])[0][:160]
+    return None
+
+
+def _load_cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
+    data = CIFAR10(str(root), train=train, transform=transform, download=download)
+    if _bad_label(data.targets) is not None:  # _broken_cifar_file names the file
+        raise ValueError("a label that is not a class index")
+    return data
+
+
+def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
+    """torchvision's CIFAR-10 under ``root``. Broken extracted files are named, and extracted
+    again from the archive when it lies beside them (by the process allowed to download)."""
+    try:
+        return _load_cifar10(root, train, transform, download)
+    except UserError:  # a bad archive: already one line
+        raise
+    except Exception as e:  # URLError, socket errors, broken files: one line
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    folder, archive = Path(root) / CIFAR10.base_folder, Path(root) / CIFAR_ARCHIVE
+    broken = _broken_cifar_file(folder) if folder.is_dir() else None
+    if broken is None:
+        raise UserError(
+            f"CIFAR-10 is not in {root} and could not be downloaded ({reason}). Without a "
+            f"network, put {CIFAR_ARCHIVE} (from https://www.cs.toronto.edu/~kriz/) in "
+            f"{root}, or use --dataset ImageFolder or --dataset FakeData")
+    path, why = broken
+    if download and archive.is_file():
+        try:
+            extract_cifar_archive(archive, Path(root))
+            data = _load_cifar10(root, train, transform, download=False)
+            print(f"{path} was broken ({why}): extracted it again from {archive}", flush=True)
+            return data
+        except UserError:  # a bad archive, not extracted: that is what to fix first
+            raise
+        except Exception as e2:
+            why += f"; extracting {archive} again did not help: {(str(e2).splitlines() or [''])[0]}"
+    raise UserError(f"{path}: a broken CIFAR-10 file ({why}). Delete {folder} and run again to "
+                    f"download CIFAR-10, or put a good {CIFAR_ARCHIVE} in {root} to extract it "
+                    "again")
+
+
+def check_cifar_root(root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise UserError(f"--dataset_root {root} is a file, not a folder")
