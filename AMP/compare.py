@@ -4,12 +4,17 @@
     python AMP/compare.py --epochs 20 --seeds 3                # each 3 times: mean, spread, verdict
     python AMP/compare.py --variants train_without,train_DDP_autocast --epochs 2
     python AMP/compare.py --dataset ImageFolder --dataset_root data/flowers --img_size 64 --epochs 2
+    python AMP/compare.py --seeds 3 --variants train_DDP,train_DDP+bf16comm \
+        --extra_args 'train_DDP+bf16comm=--comm_hook bf16'   # a script with flags of its own
 
 Each variant is its own training command, with the same data, epochs, batch size,
 learning rate and seed (DDP variants under ``python -m torch.distributed.run
 --standalone`` with one process per GPU, or 2 CPU processes without CUDA;
 ``--nproc`` to change), followed by its eval script (eval_without / eval_DP /
-eval_DDP) on its own ``last.pth``. Everything lands under ``<out>/<time>/``:
+eval_DDP) on its own ``last.pth``. A variant named ``SCRIPT+LABEL`` is SCRIPT run with
+the flags that ``--extra_args 'SCRIPT+LABEL=...'`` gives it, in a run folder of its own;
+its accuracy is compared with SCRIPT's plain runs when they ran too. Everything lands under
+``<out>/<time>/``:
 
 - ``results.csv``, ``results.md`` (one row per variant) and ``results.png``: validation
   accuracy against cumulative training time (the training loops alone, as logged in
@@ -44,6 +49,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -64,6 +70,12 @@ from tools.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS, eval_n
 
 AMP_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = REPO_ROOT / "results"
+LABEL = re.compile(r"[A-Za-z0-9_.-]+")  # SCRIPT+LABEL: also a folder's name
+
+
+def script_of(variant: str) -> str:
+    """``train_DDP+bf16comm`` -> ``train_DDP``: the training script a variant runs."""
+    return variant.partition("+")[0]
 
 
 def build_parser() -> Parser:
@@ -73,8 +85,9 @@ def build_parser() -> Parser:
                    prog, max_help_position=32))
     p.add_argument("--variants", default=None,
                    help="comma-separated training variants to run, in this order "
-                        f"(any of: {', '.join(TRAIN_VARIANTS)}), or 'all'. Default: the "
-                        "article's nine (all but the FSDP ones)")
+                        f"(any of: {', '.join(TRAIN_VARIANTS)}), or 'all'; SCRIPT+LABEL "
+                        "is SCRIPT with the flags --extra_args 'SCRIPT+LABEL=...' gives it. "
+                        "Default: the article's nine (all but the FSDP ones)")
     g = p.add_argument_group("passed to every variant")
     g.add_argument("--arch", default=d.get_default("arch"),
                    help="the network (alexnet, or a torchvision classifier; --arch list)")
@@ -119,9 +132,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     chosen = ",".join(TRAIN_VARIANTS) if chosen.strip() == "all" else chosen
     names = [v.strip() for v in chosen.split(",")
              if v.strip()]
-    unknown = [v for v in names if v not in TRAIN_VARIANTS]
+    unknown = [v for v in names if script_of(v) not in TRAIN_VARIANTS
+               or ("+" in v and not LABEL.fullmatch(v.partition("+")[2]))]
     if unknown:
-        p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(TRAIN_VARIANTS)}")
+        p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(TRAIN_VARIANTS)}"
+                " (or SCRIPT+LABEL, a label of letters, digits, '_', '.', '-')")
     if not names:
         p.error("--variants is empty")
     if len(set(names)) != len(names):
@@ -141,11 +156,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     extra = {}
     for item in args.extra_args:
         head, sep, rest = item.partition("=")
-        target = head.strip() if sep and head.strip() in TRAIN_VARIANTS else None
+        target = head.strip() if sep and (head.strip() in TRAIN_VARIANTS
+                                          or head.strip() in names) else None
         if sep and head.strip() and not head.strip().startswith("-") and target is None:
             p.error(f"--extra_args {item!r}: {head.strip()!r} is not a variant")
         text = rest if target else item
         extra.setdefault(target, []).extend(shlex.split(text))
+    bare = [v for v in names if "+" in v and not extra.get(v)]
+    if bare:  # the same flags as its script: a second, identical variant
+        p.error(f"--variants {bare[0]}: no --extra_args '{bare[0]}=FLAGS' gives it its flags")
     args.extra = extra
     args.dataset_root = args.dataset_root.expanduser().resolve()
     args.out = args.out.expanduser().resolve()
@@ -229,24 +248,30 @@ class Comparison:
         ``seed<k>/`` with several."""
         return root if self.args.seeds == 1 else root / f"seed{seed}"
 
+    def run_dir(self, variant: str, seed: int) -> Path:
+        """The run folder of ``variant``'s run of ``seed``: its script's folder, under a
+        folder of its own for a ``SCRIPT+LABEL`` variant."""
+        root = self.under(self.ckpt_dir, seed)
+        return (root / variant if "+" in variant else root) / script_of(variant)
+
     def run_name(self, variant: str, seed: int) -> str:
         return variant if self.args.seeds == 1 else f"{variant}.seed{seed}"
 
     def train_cmd(self, variant: str, seed: Optional[int] = None) -> List[str]:
         a = self.args
         seed = a.seed if seed is None else seed
-        parallel, precision = TRAIN_VARIANTS[variant]
-        cmd = self._launcher(parallel, variant) + self._common() + [
+        parallel, precision = TRAIN_VARIANTS[script_of(variant)]
+        cmd = self._launcher(parallel, script_of(variant)) + self._common() + [
             "--epochs", str(a.epochs), "--lr", repr(a.lr), "--seed", str(seed),
-            "--checkpoint", str(self.under(self.ckpt_dir, seed))]
+            "--checkpoint", str(self.run_dir(variant, seed).parent)]
         if a.amp_dtype is not None:
             cmd += ["--amp_dtype", a.amp_dtype]
-        cmd += (["--tensorboard_log", str(self.under(self.tb_dir, seed))] if a.tensorboard
-                else ["--no-tensorboard"])
+        tb_root = self.under(self.tb_dir, seed) / (variant if "+" in variant else "")
+        cmd += (["--tensorboard_log", str(tb_root)] if a.tensorboard else ["--no-tensorboard"])
         return cmd + a.extra.get(None, []) + a.extra.get(variant, [])
 
     def eval_cmd(self, variant: str, checkpoint: Path) -> List[str]:
-        parallel, _ = TRAIN_VARIANTS[variant]
+        parallel, _ = TRAIN_VARIANTS[script_of(variant)]
         return self._launcher(parallel, eval_name(parallel)) + self._common() + [
             "--checkpoint", str(checkpoint)]
 
@@ -259,7 +284,7 @@ class Comparison:
 
     # -- one variant ----------------------------------------------------------
     def result(self, variant: str, seed: int, status: str = NOT_RUN) -> VariantResult:
-        parallel, precision = TRAIN_VARIANTS[variant]
+        parallel, precision = TRAIN_VARIANTS[script_of(variant)]
         return VariantResult(variant=variant, parallel=parallel, precision=precision,
                              amp_dtype="" if precision == "fp32" else self.amp_dtype,
                              device=self.device, devices=self.devices(parallel), seed=seed,
@@ -270,7 +295,7 @@ class Comparison:
         seed = self.args.seed if seed is None else seed
         r = self.result(variant, seed)
         parallel, precision = r.parallel, r.precision
-        run_dir, name = self.under(self.ckpt_dir, seed) / variant, self.run_name(variant, seed)
+        run_dir, name = self.run_dir(variant, seed), self.run_name(variant, seed)
         cmd = self.train_cmd(variant, seed)
         where = (f"{r.devices} {self.device} processes" if parallel in DISTRIBUTED
                  else f"{r.devices} {self.device}")
@@ -370,7 +395,7 @@ def write_results(comp: Comparison, results: List[VariantResult], plot: bool = T
     if not plot:
         return text
     curves = {comp.under(Path(), r.seed) / r.variant: report.accuracy_curve(
-        report.read_log(comp.under(comp.ckpt_dir, r.seed) / r.variant / "log.jsonl"))
+        report.read_log(comp.run_dir(r.variant, r.seed) / "log.jsonl"))
         for r in results}
     bars, bands = results, None
     if summaries is not None:  # one bar and one band per variant, over its seeds

@@ -461,10 +461,12 @@ def test_welch_p_values_are_students():
 def _fake_children(monkeypatch, accuracies, fail=()):
     """compare.py's children, faked: a training command writes the log.jsonl and last.pth a
     run would, with ``accuracies[(variant, seed)]`` as its final validation accuracy, and
-    an eval command prints it (as c/1000); the (variant, seed) in ``fail`` exit 1."""
+    an eval command prints it (as c/1000); the (variant, seed) in ``fail`` exit 1. Returns
+    the list the commands go to."""
     from tools import runner
 
     def run_child(cmd, log_path=None, env=None, **kw):
+        commands.append(cmd)
         seed = int(cmd[cmd.index("--seed") + 1]) if "--seed" in cmd else None
         script = next(Path(c).stem for c in cmd if c.endswith(".py"))
         if script.startswith("eval"):
@@ -474,16 +476,19 @@ def _fake_children(monkeypatch, accuracies, fail=()):
             return runner.ChildRun(0, out, "", 1.0, 100.0)
         if (script, seed) in fail:
             return runner.ChildRun(1, "", f"{script}.py: error: boom on seed {seed}\n", 0.5, 50.0)
-        run_dir = Path(cmd[cmd.index("--checkpoint") + 1]) / script
+        root = Path(cmd[cmd.index("--checkpoint") + 1])
+        run_dir = root / script
         run_dir.mkdir(parents=True)
-        acc = accuracies[(script, seed)]
+        acc = accuracies[(root.name if "+" in root.name else script, seed)]
         (run_dir / "log.jsonl").write_text("".join(json.dumps(
             {"epoch": e, "train_time": 2.0, "images_per_s": 100.0 + seed, "val_acc": acc - 0.1 * (2 - e),
              "peak_mem_mb": 500.0, "tflops": 0.5}) + "\n" for e in (1, 2)))
         (run_dir / "last.pth").write_bytes(b"")
         return runner.ChildRun(0, "", "", 10.0 + seed, 500.0)
 
+    commands = []
     monkeypatch.setattr(runner, "run_child", run_child)
+    return commands
 
 
 def test_seeds_give_every_run_a_row_and_each_variant_its_spread_and_verdict(
@@ -555,3 +560,46 @@ def test_seeds_below_one_are_one_line(seeds, capsys):
         compare.parse_args(["--seeds", seeds])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "--seeds must be a positive integer" in err[0]
+
+
+def test_a_script_with_flags_of_its_own_is_a_variant_against_its_plain_runs(
+        tmp_path, monkeypatch, capsys):
+    """``train_DDP_GradScaler+bf16comm`` runs train_DDP_GradScaler with the flags its
+    --extra_args give it (the plain one without them), in a folder of its own, and its
+    verdict is against the plain script's runs (no train_DDP ran): five points down on
+    every seed is beyond their noise."""
+    import compare
+
+    plain, hooked = "train_DDP_GradScaler", "train_DDP_GradScaler+bf16comm"
+    accs = {(plain, s): a for s, a in enumerate([0.50, 0.52, 0.51])}
+    accs |= {(hooked, s): a - 0.05 for (_, s), a in accs.items()}
+    commands = _fake_children(monkeypatch, accs)
+    assert compare.main(["--variants", f"{plain},{hooked}", "--seeds", "3",
+                         "--extra_args", f"{hooked}=--comm_hook bf16", "--no-cuda",
+                         "--no-tensorboard", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    trains = [c for c in commands if "--epochs" in c]  # not the eval commands
+    assert len(trains) == 6 and all(c[c.index("--nproc_per_node=2") + 1].endswith(
+        f"{plain}.py") for c in trains)
+    assert [c[-2:] == ["--comm_hook", "bf16"] for c in trains] == [False, True] * 3
+    (run,) = tmp_path.iterdir()
+    for seed in range(3):
+        assert (run / "checkpoint" / f"seed{seed}" / hooked / plain / "log.jsonl").is_file()
+    line = next(ln for ln in out[out.index("Over 3 seeds:"):].splitlines()
+                if ln.startswith(f"| {hooked} |"))
+    assert "-0.0500 ±" in line and "beyond seed noise" in line, line
+
+
+@pytest.mark.parametrize("variants, extra, says", [
+    ("train_DDP+bf16comm", [], "no --extra_args 'train_DDP+bf16comm=FLAGS'"),
+    ("train_DDP+a/b", ["--extra_args", "train_DDP+a/b=--comm_hook bf16"], "a label of letters"),
+    ("train_nope+x", ["--extra_args", "train_nope+x=--comm_hook bf16"], "unknown variant"),
+])
+def test_a_labelled_variant_without_flags_or_with_a_bad_name_is_one_line(
+        variants, extra, says, capsys):
+    import compare
+
+    with pytest.raises(SystemExit) as e:
+        compare.parse_args(["--variants", variants, *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and says in err[-1], err

@@ -23,7 +23,8 @@ BASELINES = {"single": "train_without", "dp": "train_DP", "ddp": "train_DDP",
              "fsdp": "train_FSDP"}
 ALPHA = 0.05
 RULE = ("Δ test acc: the variant's mean over its seeds minus the mean of the fp32 variant "
-        "of its parallel mode (train_without, train_DP, train_DDP, train_FSDP), ± the "
+        "of its parallel mode (train_without, train_DP, train_DDP, train_FSDP) -- for a "
+        "SCRIPT+LABEL variant, of SCRIPT's plain runs where they ran too -- ± the "
         "standard error of that difference, √(s₁²/n₁ + s₂²/n₂). Verdict: Welch's t-test on "
         "the runs' test accuracies, two-sided, at 5 %: p ≥ 0.05 is within seed noise (the "
         "difference is no larger than the seeds make by themselves). Spreads are mean ± "
@@ -151,7 +152,9 @@ def summarise_seeds(results: Sequence[VariantResult]) -> List[SeedSummary]:
     for variant, runs in by_variant.items():
         s = SeedSummary(runs[0], runs)
         s.figures = {k: spread([getattr(r, k) for r in s.finished]) for k in FIGURES}
-        base = BASELINES.get(runs[0].parallel, "")
+        script = variant.partition("+")[0]  # SCRIPT+LABEL: against SCRIPT's plain runs
+        base = script if script != variant and script in by_variant else \
+            BASELINES.get(runs[0].parallel, "")
         s.baseline = base if base in by_variant else ""
         summaries.append(s)
     accs = {s.first.variant: [r.test_acc for r in s.finished if r.test_acc is not None]
@@ -163,7 +166,7 @@ def summarise_seeds(results: Sequence[VariantResult]) -> List[SeedSummary]:
 
 
 SEED_HEADER = ["variant", "parallel", "precision", "runs", "total wall time", "images/s",
-               "peak memory (MB)", "best val acc", "test acc", "Δ test acc vs fp32",
+               "peak memory (MB)", "best val acc", "test acc", "Δ test acc vs baseline",
                "verdict"]
 
 
