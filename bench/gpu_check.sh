@@ -102,7 +102,7 @@ log "fastest single-device configuration: $BEST"
 set -- $BEST; VARIANT=$1; shift; BEST_FLAGS="$*"
 
 # Two learnable CIFAR-format sets, outside WORK: the real run's and the short runs'.
-run data 60 python3 -c "import sys; sys.path.insert(0, 'AMP'); from tools.measure import write_cifar10 as w; \
+run data 60 python3 -c "import sys; sys.path.insert(0, 'AMP'); from tools.cifar_files import write_cifar10 as w; \
 w('$SCRATCH/cifar', $NTRAIN, $NTEST, learnable=True); w('$SCRATCH/small', $S_TRAIN, $S_TEST, learnable=True)"
 keep "$WORK/data.txt" 2
 

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import FAST_ARCH, IF_VAL_SIZE, event_files, run_script
 
+from ampkit.models import build_model
 from tools import report, runner  # AMP/ is on sys.path (conftest)
 
 OK_VARIANTS = ("train_without", "train_DDP")
@@ -338,7 +339,7 @@ def test_benchmark_prints_positive_throughput_for_model_and_input_pipeline(tmp_p
     # each precision against its own peak: fp32 against --peak_tflops_fp32
     for s, peak in zip(data["steps"], (0.5, 1.0)):
         assert s["utilisation"] == pytest.approx(s["achieved_tflops"] / peak)
-    # both input paths, timed by measure.measure_input_pipeline on the same data
+    # both input paths, timed by measure_input.measure_input_pipeline on the same data
     pipes = {p["path"]: p for p in data["pipeline"]}
     assert sorted(pipes) == ["classic", "fast"]
     for kind, p in pipes.items():
@@ -354,7 +355,7 @@ def test_benchmark_channels_last_reaches_the_model_and_its_inputs(monkeypatch, c
     """benchmark.py --channels_last measures what training with --channels_last runs."""
     import torch
 
-    from tools import measure
+    from tools import measure_steps
     from ampkit.models import build_model
 
     seen = []
@@ -367,9 +368,9 @@ def test_benchmark_channels_last_reaches_the_model_and_its_inputs(monkeypatch, c
             (inp[0].is_contiguous(memory_format=cl), mod.weight.is_contiguous(memory_format=cl))))
         return model
 
-    monkeypatch.setattr(measure, "build_model", hooked)
-    r = measure.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
-                              img_size=64, warmup=1, steps=1, channels_last=channels_last)
+    monkeypatch.setattr(measure_steps, "build_model", hooked)
+    r = measure_steps.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
+                                      img_size=64, warmup=1, steps=1, channels_last=channels_last)
     assert r.status == "ok" and r.channels_last is channels_last and r.images_per_s > 0
     assert len(seen) == 2  # warm-up step, timed step (the FLOP count's is on the meta device)
     assert seen == [(channels_last, channels_last)] * 2
@@ -381,10 +382,10 @@ def test_benchmark_reads_nothing_back_inside_its_timed_window(monkeypatch):
     import torch
 
     from ampkit import engine
-    from tools import measure
+    from tools import measure_steps
 
     timing, reads = [False], []
-    real_timed, real_check = measure._timed, engine._host_check
+    real_timed, real_check = measure_steps._timed, engine._host_check
 
     def timed(fn, device):
         timing[0] = True
@@ -397,22 +398,23 @@ def test_benchmark_reads_nothing_back_inside_its_timed_window(monkeypatch):
         reads.append(timing[0])
         return real_check(*args, **kwargs)
 
-    monkeypatch.setattr(measure, "_timed", timed)
+    monkeypatch.setattr(measure_steps, "_timed", timed)
     monkeypatch.setattr(engine, "_host_check", check)
-    r = measure.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
-                                img_size=32, warmup=0, steps=21, arch="squeezenet1_1")
+    r = measure_steps.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
+                                      img_size=32, warmup=0, steps=21, arch="squeezenet1_1")
     assert r.status == "ok" and r.steps == 21
     assert True not in reads, "a host read inside the timed window"
 
 
 def test_benchmark_speedup_is_over_the_fp32_row_of_the_same_parallel_mode():
-    from tools import measure
+    from tools import tables
+    from tools.measure_steps import StepResult
 
     def row(variant, parallel, precision, images_per_s, **kw):
-        return measure.StepResult(variant=variant, parallel=parallel, precision=precision,
-                                  amp_dtype="", arch="alexnet", device="cuda", devices=1,
-                                  batch_size=256, img_size=227, warmup=1, steps=2,
-                                  images_per_s=images_per_s, **kw)
+        return StepResult(variant=variant, parallel=parallel, precision=precision,
+                          amp_dtype="", arch="alexnet", device="cuda", devices=1,
+                          batch_size=256, img_size=227, warmup=1, steps=2,
+                          images_per_s=images_per_s, **kw)
 
     rows = [row("train_without", "single", "fp32", 100.0),
             row("train_autocast", "single", "autocast", 250.0),
@@ -420,9 +422,9 @@ def test_benchmark_speedup_is_over_the_fp32_row_of_the_same_parallel_mode():
             row("train_DDP_GradScaler", "ddp", "grad_scaler", 270.0),
             row("train_autocast", "single", "autocast", 400.0, channels_last=True),  # no base
             row("train_GradScaler", "single", "grad_scaler", 0.0, status="failed")]
-    measure.add_speedups(rows)
+    tables.add_speedups(rows)
     assert [r.speedup for r in rows] == [1.0, 2.5, 1.0, 3.0, None, None]
-    table = measure.step_table(rows)
+    table = tables.step_table(rows)
     assert "x fp32" in table.splitlines()[0] and " 2.50 " in table and " 3.00 " in table
 
 
@@ -601,5 +603,41 @@ def test_a_labelled_variant_without_flags_or_with_a_bad_name_is_one_line(
 
     with pytest.raises(SystemExit) as e:
         compare.parse_args(["--variants", variants, *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and says in err[-1], err
+
+
+def test_benchmark_times_a_ddp_row_per_comm_hook_with_the_bytes_its_hook_sent():
+    """In a group of one process the hooks still run: bf16 sends half of fp32's bytes a step,
+    PowerSGD (compressing from the third step, after the warm-up) its rank-1 factors."""
+    import torch
+
+    from tools.measure_steps import DDPGroup, measure_variant
+
+    group = DDPGroup(cuda=False)
+    try:
+        rows = {hook: measure_variant("train_DDP", device=torch.device("cpu"), batch_size=2,
+                                      img_size=32, warmup=2, steps=2, arch="squeezenet1_1",
+                                      ddp=group, comm_hook=hook)
+                for hook in ("none", "bf16", "powersgd")}
+    finally:
+        group.close()
+    params_mb = sum(p.numel() for p in build_model("squeezenet1_1", 10).parameters()) * 4 / 1e6
+    assert rows["none"].wire_mb_per_step == pytest.approx(params_mb)
+    assert rows["bf16"].wire_mb_per_step == pytest.approx(params_mb / 2)
+    assert 0 < rows["powersgd"].wire_mb_per_step < params_mb / 5
+    assert [r.comm_hook for r in rows.values()] == ["none", "bf16", "powersgd"]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--variants", "train_without", "--comm_hook", "bf16"], "applies to the DDP variants"),
+    (["--variants", "train_DDP", "--comm_hook", "powersgd", "--warmup", "1"], "--warmup 2"),
+    (["--variants", "train_DDP", "--comm_hook", "none,zip"], "distinct hooks"),
+])
+def test_benchmark_comm_hook_flags_it_cannot_honour_are_one_line(flags, says, capsys):
+    import benchmark
+
+    with pytest.raises(SystemExit) as e:
+        benchmark.parse_args(flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and says in err[-1], err

@@ -27,7 +27,8 @@ from ampkit.machinery.datasets import STD, build_datasets, build_transform
 from ampkit.machinery.samplers import one_process_sampler
 from ampkit.machinery.errors import UserError
 from ampkit.machinery.fastdata import DeviceLoader, fast_loaders, fits_in_memory, load_uint8
-from tools.measure import measure_input_pipeline, write_cifar10
+from tools.cifar_files import write_cifar10
+from tools.measure_input import measure_input_pipeline
 
 CPU = torch.device("cpu")
 # One uint8 step after normalisation (the largest for the smallest std): PIL rounds its

@@ -151,7 +151,7 @@ def _cifar(root: Path, archive: bool, *extra: tarfile.TarInfo, broken: bool = Tr
     """A tiny CIFAR-10 in ``root``; with ``archive``, a cifar-10-python.tar.gz of it beside it
     (``extra`` members last, so an extractor that checks as it goes has written the rest);
     ``broken``: data_batch_1 is cut short."""
-    from tools.measure import write_cifar10
+    from tools.cifar_files import write_cifar10
 
     write_cifar10(root, 60, 11, seed=1, learnable=True)
     if archive:

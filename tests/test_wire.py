@@ -12,7 +12,8 @@ import subprocess
 import pytest
 
 from ampkit.models import build_model
-from conftest import PYTHON, REPO_ROOT, assert_no_traceback_of_ours, run_main, tiny_args
+from conftest import (FAST_ARCH, PYTHON, REPO_ROOT, assert_no_traceback_of_ours, run_main,
+                      tiny_args)
 
 
 @pytest.mark.parametrize("script, flags, says", [
@@ -40,16 +41,16 @@ def _rows(run_dir):
 
 def test_powersgd_counts_its_bytes_and_a_resume_says_what_restarts(imagefolder_root, tmp_path,
                                                                   gloo_free=None):
-    args = tiny_args(tmp_path, imagefolder_root, epochs=1) + [
+    args = tiny_args(tmp_path, imagefolder_root, epochs=1) + ["--arch", FAST_ARCH] + [
         "--comm_hook", "powersgd", "--powersgd_start_iter", "2"]
     first = run_main("train_DDP_GradScaler", *args)
     assert first.returncode == 0, first.describe()
     assert "in a group of one process: nothing travels" in first.stderr, first.describe()
     run_dir = tmp_path / "checkpoint" / "train_DDP_GradScaler"
     (row,) = _rows(run_dir)
-    # 48 images in batches of 16: 2 plain all-reduce steps of AlexNet's 57.0 M fp32
-    # gradients (3 classes), then one step of rank-1 factors, counted at the hook.
-    params_mb = sum(p.numel() for p in build_model("alexnet", 3).parameters()) * 4 / 1e6
+    # 48 images in batches of 16: 2 plain all-reduce steps of the network's fp32 gradients
+    # (3 classes), then one step of rank-1 factors, counted at the hook.
+    params_mb = sum(p.numel() for p in build_model(FAST_ARCH, 3).parameters()) * 4 / 1e6
     assert row["optimizer_steps"] == 3 and row["comm_hook"] == "powersgd"
     assert 2 * params_mb / 3 < row["wire_mb_per_step"] < params_mb, row
     assert f"wire {row['wire_mb_per_step']:.2f} MB/step (powersgd)" in first.stdout
@@ -60,7 +61,7 @@ def test_powersgd_counts_its_bytes_and_a_resume_says_what_restarts(imagefolder_r
     assert "PowerSGD's error feedback and warm start restart from zero" in again.stdout
     assert "its step count goes on at 3" in again.stdout, again.stdout
     second = _rows(run_dir)[-1]  # compressed from its first step: no warm-up again
-    assert second["wire_mb_per_step"] < params_mb / 100, second
+    assert second["wire_mb_per_step"] < params_mb / 10, second  # a warm-up: over 2/3 of it
 
     plain = run_main("train_DDP_GradScaler", *args[:-4], "--epochs", "3", "--resume")
     assert plain.returncode == 0, plain.describe()

@@ -1,0 +1,148 @@
+"""Images per second that an input path delivers to the device: ``benchmark.py --pipeline``.
+
+One epoch after another, the first ``warmup`` batches not timed:
+
+- ``article``: torchvision's CIFAR10 with ``Resize(img_size)`` + ``ToTensor()`` in PIL,
+  ``num_workers=0``, as the article does;
+- ``classic``: ampkit's DataLoader path (:mod:`ampkit.machinery.data`);
+- ``fast``: ampkit's device path (:mod:`ampkit.machinery.fastdata`).
+
+Without CIFAR-10 under ``root``, generated images in CIFAR-10's on-disk format are used
+(:mod:`tools.cifar_files`; the pipelines' cost does not depend on the pixel values).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader
+from torchvision import transforms
+
+from ampkit.machinery.cifar import CIFAR10
+from ampkit.machinery.data import train_loader
+from ampkit.machinery.datasets import build_datasets
+from ampkit.machinery.fastdata import fast_loaders
+from ampkit.machinery.ranks import DistInfo, synchronize
+
+from .cifar_files import cifar_root, has_cifar10
+
+KINDS = ("article", "classic", "fast")
+
+
+@dataclass
+class PipelineResult:
+    path: str                # one of KINDS
+    dataset: str             # "CIFAR10", or "CIFAR10 (generated, N)" images in its format
+    img_size: int
+    batch_size: int
+    num_workers: int
+    device: str
+    images_per_s: Optional[float] = None   # the best of ``repeat`` measurements
+    batches: int = 0         # timed batches (after the uncounted warm-up ones)
+    status: str = "ok"
+    reason: str = ""
+
+    def as_dict(self) -> Dict:
+        return asdict(self)
+
+
+def _pipeline(kind: str, root: Path, img_size: int, batch_size: int, num_workers: int,
+              info: DistInfo, channels_last: bool):
+    if kind == "article":
+        # torchvision's CIFAR10 apart from its md5 check at construction (generated data
+        # would fail it); images are read and transformed exactly as torchvision does.
+        tf = transforms.Compose([transforms.Resize(img_size), transforms.ToTensor()])
+        dataset = CIFAR10(str(root), train=True, transform=tf, download=False)
+        return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=0)
+    if kind == "classic":
+        data = build_datasets("CIFAR10", root, img_size, info)
+        return train_loader(data.train, batch_size, num_workers, info, seed=0)
+    if kind == "fast":
+        return fast_loaders("CIFAR10", root, img_size, batch_size, info,
+                            channels_last=channels_last)[0].loader()
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def _endless(loader) -> Iterator:
+    """The loader's batches, epoch after epoch (a new permutation each epoch)."""
+    epoch = 0
+    while True:
+        sampler = getattr(loader, "sampler", None)
+        sampler = getattr(sampler, "sampler", sampler)  # the order inside a ResumableSampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the training split gives no batch")
+        epoch += 1
+
+
+def measure_input_pipeline(kind: str, *, root: Optional[Path] = None, img_size: int = 227,
+                           batch_size: int = 64, num_workers: int = 0,
+                           device: Optional[torch.device] = None, n: int = 2048,
+                           warmup: int = 2, max_batches: Optional[int] = None,
+                           channels_last: bool = False) -> float:
+    """Images per second that the ``kind`` input path delivers to ``device``.
+
+    ``root``: a folder with CIFAR-10; without one, ``n`` generated images are used.
+    ``warmup`` batches are not timed; then ``max_batches`` batches are (default: one
+    epoch's worth), over as many epochs as that takes.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    info = DistInfo(device=device)
+    with cifar_root(root, n) as data_root:
+        loader = _pipeline(kind, data_root, img_size, batch_size, num_workers, info,
+                           channels_last)
+        batches = _endless(loader)
+        for _ in range(warmup):  # worker start-up, first allocations: not counted
+            next(batches)[0].to(device, non_blocking=True)
+        synchronize(device)
+        t0 = time.perf_counter()
+        images = 0
+        for _ in range(max_batches if max_batches is not None else len(loader)):
+            x, y = next(batches)
+            images += x.to(device, non_blocking=True).shape[0]
+            y.to(device, non_blocking=True)
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+        batches.close()
+        del batches, loader  # stops persistent workers before the data folder goes
+    return images / seconds
+
+
+def measure_pipelines(kinds: Sequence[str], root: Optional[Path], img_size: int,
+                      batch_size: int, num_workers: int, device: torch.device, *,
+                      warmup: int = 2, batches: int = 10, repeat: int = 1,
+                      channels_last: bool = False) -> List[PipelineResult]:
+    """The best images/s of ``repeat`` interleaved measurements of each path in ``kinds``,
+    on the same data (CIFAR-10 under ``root``, else generated images in its format).
+    A path that fails is reported (``status="failed"``) and the others still run."""
+    n = max(batch_size * (warmup + batches + 1), 256)  # no epoch boundary inside the clock
+    dataset = "CIFAR10" if has_cifar10(root) else f"CIFAR10 (generated, {n})"
+    results = [PipelineResult(path=k, dataset=dataset, img_size=img_size, batch_size=batch_size,
+                              num_workers=num_workers if k == "classic" else 0,
+                              device=device.type, batches=batches) for k in kinds]
+    with cifar_root(root, n) as data_root:
+        for _ in range(repeat):
+            for res in results:
+                if res.status != "ok":
+                    continue
+                try:
+                    rate = measure_input_pipeline(
+                        res.path, root=data_root, img_size=img_size, batch_size=batch_size,
+                        num_workers=res.num_workers, device=device, n=n, warmup=warmup,
+                        max_batches=batches, channels_last=channels_last)
+                    res.images_per_s = max(res.images_per_s or 0.0, rate)
+                except (RuntimeError, ValueError, OSError) as e:
+                    res.status, res.images_per_s = "failed", None
+                    res.reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    return results

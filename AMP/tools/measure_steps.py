@@ -1,0 +1,261 @@
+"""Steady-state step throughput of a variant: what ``AMP/benchmark.py`` times.
+
+Each variant's own ``build()`` -- imported from its training script, so what is timed is the
+script's wrapper, precision objects and step -- run by :func:`ampkit.engine.train_one_epoch`
+over synthetic batches already on the device (no data loading timed). DDP and FSDP2
+variants run as a one-process group, or in torchrun's (``DDPGroup``).
+
+- ``warmup`` steps run first and are not counted (allocator, cuDNN autotuning,
+  optimizer state creation, compilation, PowerSGD's plain all-reduce steps).
+- The timed ``steps``: CUDA events on a GPU (the host waits for the end), else perf_counter;
+  no host sync inside that window (the loop's host read comes after the last step).
+- Peak memory (:mod:`ampkit.machinery.memory`, reset after warm-up):
+  ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU the process's peak resident
+  memory (``VmHWM``, reset through ``/proc/self/clear_refs`` where Linux allows).
+- FLOPs per step: ``machinery.flops.training_flops_per_image`` (the training scripts'
+  counter: ``FlopCounterMode`` over one forward + backward of the bare model) x batch;
+  utilisation = achieved FLOP/s / (peak x devices), where the peak is the precision's
+  own: ``peak_tflops`` (fp16/bf16) for the autocast variants, ``peak_tflops_fp32`` for
+  the fp32 ones, whose math on CUDA is labelled (``fp32_math``: TF32 or true fp32).
+- DDP's ``comm_hook`` (``--comm_hook`` of the DDP scripts): the bytes this rank sent per
+  step, counted by :class:`ampkit.comm_hooks.CommHook` over the timed steps.
+
+Traces: ``profile`` records a few more steps with :class:`ampkit.machinery.profiler.StepProfiler`.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ampkit.comm_hooks import CommHook
+from ampkit.distributed import StopVote, elastic_store, this_process, torchrun_env
+from ampkit.engine import Parts, train_one_epoch
+from ampkit.machinery.flops import training_flops_per_image
+from ampkit.machinery.memory import memory_kind, peak_memory_mb, reset_peak_memory
+from ampkit.machinery.profiler import StepProfiler
+from ampkit.machinery.ranks import DistInfo, synchronize
+from ampkit.machinery.signals import StopFlag
+from ampkit.models import build_model
+from ampkit.precision import SkippedSteps, compile_in_place
+
+from .variants import DISTRIBUTED, TRAIN_VARIANTS
+
+
+@dataclass
+class StepResult:
+    variant: str
+    parallel: str
+    precision: str
+    amp_dtype: str
+    arch: str
+    device: str
+    devices: int
+    batch_size: int          # per micro-batch (per process for DDP)
+    img_size: int
+    warmup: int
+    steps: int               # optimizer steps
+    accum_steps: int = 1     # micro-batches per optimizer step
+    channels_last: bool = False
+    compiled: bool = False
+    fp32_math: str = ""      # CUDA fp32 variants: "tf32", "fp32" or "tf32 conv, fp32 matmul"
+    dp_scope: str = ""       # DP variants: "model" or "features"
+    seconds: Optional[float] = None
+    step_ms: Optional[float] = None
+    images_per_s: Optional[float] = None
+    peak_mem_mb: Optional[float] = None
+    peak_mem_kind: str = ""
+    gflop_per_step: Optional[float] = None
+    achieved_tflops: Optional[float] = None
+    utilisation: Optional[float] = None    # fraction of the precision's peak x devices
+    speedup: Optional[float] = None        # images/s over the fp32 row of its parallel mode
+    comm_hook: str = ""      # DDP variants: --comm_hook
+    wire_mb_per_step: Optional[float] = None  # what this rank's hook sent a step
+    timer: str = ""
+    note: str = ""
+    status: str = "ok"
+    reason: str = ""
+
+    def as_dict(self) -> Dict:
+        return asdict(self)
+
+
+class DDPGroup:
+    """A one-process group for the DDP and FSDP2 variants (an in-memory store: no port),
+    created on first use, closed at the end."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.info: Optional[DistInfo] = None
+
+    def get(self) -> DistInfo:
+        """The group: torchrun's when benchmark.py runs under it, else one of one process."""
+        if self.info is None:
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                rank, world_size, device = torchrun_env(self.cuda)
+                if self.cuda:
+                    torch.cuda.set_device(device)
+                kw = dict(rank=rank, world_size=world_size, store=elastic_store(rank, world_size))
+            else:
+                device = torch.device("cuda", torch.cuda.current_device()) if self.cuda \
+                    else torch.device("cpu")
+                kw = dict(rank=0, world_size=1, store=dist.HashStore())
+            dist.init_process_group("nccl" if self.cuda else "gloo", device_id=device.index, **kw)
+            self.info = this_process(device)
+        return self.info
+
+    def close(self) -> None:
+        if self.info is not None:
+            dist.destroy_process_group()
+            self.info = None
+
+
+def _result(variant: str, device: torch.device, ddp: Optional[DDPGroup], **kw) -> tuple:
+    """(DistInfo, an empty StepResult) for ``variant`` on ``device``."""
+    parallel, precision = TRAIN_VARIANTS[variant]
+    cuda = device.type == "cuda"
+    if parallel in DISTRIBUTED:
+        info = (ddp or DDPGroup(cuda)).get()
+        devices, note = info.world_size, f"{parallel.upper()} as a {info.world_size}-process group"
+    else:
+        info = DistInfo(device=device)
+        devices = torch.cuda.device_count() if parallel == "dp" and cuda else 1
+        note = (f"DataParallel ({kw['dp_scope']}) over {devices} GPUs" if parallel == "dp" and cuda
+                else "DataParallel calls the module directly without CUDA" if parallel == "dp"
+                else "")
+    if kw["compiled"] and parallel == "dp":
+        kw["compiled"], note = False, note + "; not compiled (DataParallel)"
+    if parallel != "dp":
+        kw["dp_scope"] = ""
+    res = StepResult(variant=variant, parallel=parallel, precision=precision, amp_dtype="",
+                     arch=kw.pop("arch"), device=device.type, devices=devices, note=note,
+                     timer="cuda events" if cuda else "perf_counter",
+                     peak_mem_kind=memory_kind(device),
+                     **kw)
+    return info, res
+
+
+def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_size: int,
+                    warmup: int, steps: int, amp_dtype: Optional[str] = None,
+                    num_classes: int = 10, lr: float = 1e-4, arch: str = "alexnet",
+                    peak_tflops: Optional[float] = None,
+                    peak_tflops_fp32: Optional[float] = None, fp32_math: str = "",
+                    ddp: Optional[DDPGroup] = None, channels_last: bool = False,
+                    compile: bool = False, dp_scope: str = "model", accum_steps: int = 1,
+                    keep_sync: bool = False, profile: Optional[Path] = None,
+                    comm_hook: str = "none", powersgd_rank: int = 1) -> StepResult:
+    """Time ``steps`` optimizer steps of ``variant``'s own ``build()`` after ``warmup``
+    uncounted ones, each over ``accum_steps`` micro-batches of ``batch_size``.
+    ``channels_last``, ``compile``, ``dp_scope`` and ``accum_steps`` are the training flags
+    of those names; ``keep_sync``: DDP all-reduces every micro-batch (no ``no_sync``: what it
+    saves); ``comm_hook``: a DDP variant's --comm_hook (PowerSGD compresses from the third
+    step: warm-up 2 or more times it); ``fp32_math`` labels the fp32 variants on CUDA (``precision.set_tf32``'s);
+    ``profile``: after the timing, a few more steps under :class:`StepProfiler`, traced."""
+    info, res = _result(variant, device, ddp, arch=arch, batch_size=batch_size,
+                        img_size=img_size, warmup=warmup, steps=steps, accum_steps=accum_steps,
+                        channels_last=channels_last, compiled=compile, dp_scope=dp_scope)
+    if res.precision == "fp32" and device.type == "cuda":
+        res.fp32_math = fp32_math
+    if keep_sync:
+        res.note += "; DDP all-reduces every micro-batch (no no_sync)"
+    hook = CommHook(comm_hook, powersgd_rank=powersgd_rank, start_iter=2)
+    t, pool, flops = _built(variant, res, device, num_classes, lr, amp_dtype, hook)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    skipped = SkippedSteps(t.scaler, device)
+    vote = StopVote(StopFlag(), info)  # as in training: the ranks' stop vote every step
+
+    def run(n: int, **kw):  # n optimizer steps, over the pool's batches in turn
+        micro = [pool[i % len(pool)] for i in range(n * accum_steps)]
+        with _all_reduce_every_micro_batch() if keep_sync else contextlib.nullcontext():
+            return train_one_epoch(t.step, micro, info, skipped=skipped, input_format=fmt,
+                                   accum_steps=accum_steps, stop=vote, **kw)
+
+    if warmup > 0:
+        run(warmup, desc=f"{variant} warm-up")
+    _reset_peaks(device, res)
+    hook.reset_counts()
+    # log_every past the last step: the loop's host read (the loss for the progress bar, the
+    # stop and divergence checks) would sync inside the timed window.
+    seconds, stats = _timed(lambda: run(steps, desc=variant, log_every=steps + 1), device)
+    res.peak_mem_mb = peak_memory_mb(device, all_gpus=res.parallel == "dp")
+    res.seconds, res.step_ms = seconds, 1000.0 * seconds / steps
+    res.images_per_s = stats.images / seconds  # all ranks together
+    res.gflop_per_step = flops * accum_steps * info.world_size / 1e9
+    res.achieved_tflops = res.gflop_per_step * steps / seconds / 1e3
+    if res.parallel == "ddp":  # counted as each bucket went, over the timed steps
+        res.comm_hook, res.wire_mb_per_step = comm_hook, hook.per_step().get("wire_mb_per_step")
+    if profile is not None:  # started and stopped by train_one_epoch
+        profiler = StepProfiler(profile, device)
+        run(profiler.needed, desc=f"{variant} profile", profiler=profiler)
+        print(profiler.report(), flush=True)
+    peak = peak_tflops_fp32 if res.precision == "fp32" else peak_tflops
+    if peak:
+        res.utilisation = res.achieved_tflops / (peak * res.devices)
+    return res  # the caller frees the model (gc.collect, torch.cuda.empty_cache)
+
+
+def _built(variant: str, res: StepResult, device: torch.device, num_classes: int, lr: float,
+           amp_dtype: Optional[str], hook: CommHook) -> tuple:
+    """(the variant's Technique, a pool of synthetic batches on the device, the FLOPs of one
+    micro-batch's forward and backward)."""
+    torch.manual_seed(0)
+    fmt = torch.channels_last if res.channels_last else torch.contiguous_format
+    model = build_model(res.arch, num_classes).to(device, memory_format=fmt)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    gen, b, px = torch.Generator().manual_seed(0), res.batch_size, res.img_size
+    pool = [(torch.randn(b, 3, px, px, generator=gen).to(device, memory_format=fmt),
+             torch.randint(0, num_classes, (b,), generator=gen).to(device))
+            for _ in range(min(4, max(res.steps * res.accum_steps, 1)))]
+    flops = training_flops_per_image(model, (3, px, px)) * b
+    t = importlib.import_module(variant).build(
+        Parts(device, model, nn.CrossEntropyLoss(), amp_dtype, res.dp_scope or "model", lr=lr,
+              arch=res.arch, comm_hook=hook))
+    res.amp_dtype = str(t.compute_dtype)[6:] if t.compute_dtype is not None else ""
+    if res.compiled:
+        compile_in_place(t.model)  # compiled during the warm-up steps
+    t.model.train()
+    return t, pool, flops
+
+
+@contextlib.contextmanager
+def _all_reduce_every_micro_batch() -> Iterator[None]:
+    """DDP's ``no_sync`` made a no-op: with --accum_steps, what the all-reduce of every
+    micro-batch costs (for measuring only)."""
+    real = DistributedDataParallel.no_sync
+    DistributedDataParallel.no_sync = lambda self: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        DistributedDataParallel.no_sync = real
+
+
+def _reset_peaks(device: torch.device, res: StepResult) -> None:
+    synchronize(device)
+    gc.collect()
+    if not reset_peak_memory(device, all_gpus=True):
+        res.peak_mem_kind = memory_kind(device, reset=False)
+
+
+def _timed(fn, device: torch.device) -> tuple:
+    """(seconds, fn()) timed with CUDA events on a GPU, perf_counter on the CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0, out
