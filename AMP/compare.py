@@ -64,7 +64,8 @@ from ampkit.machinery.archs import check_arch_flags
 from ampkit.machinery.config import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
                                      train_parser)
 from ampkit.machinery.errors import UserError
-from tools import report, runner, stats
+from tools import report, run_logs, runner, stats
+from tools.figure import plot_results
 from tools.report import FAILED, INTERRUPTED, NOT_RUN, OK, VariantResult
 from tools.variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS, eval_name
 
@@ -305,7 +306,7 @@ class Comparison:
         print("    " + shlex.join(cmd), flush=True)
         run = runner.run_child(cmd, self.log_dir / f"{name}.train.log", env=self.env)
         r.wall_time_s = run.wall_s
-        summary = report.summarise_log(report.read_log(run_dir / "log.jsonl"))
+        summary = run_logs.summarise_log(run_logs.read_log(run_dir / "log.jsonl"))
         r.epochs = summary["epochs"]
         r.train_time_s = summary["train_time_s"]
         r.images_per_s = summary["images_per_s"]
@@ -336,7 +337,7 @@ class Comparison:
         if ev.interrupted:
             r.status, r.reason = INTERRUPTED, "interrupted by the user (during eval)"
             return r
-        parsed = report.parse_eval_output(ev.stdout) if ev.returncode == 0 else None
+        parsed = run_logs.parse_eval_output(ev.stdout) if ev.returncode == 0 else None
         if parsed is None:
             r.status = FAILED
             r.reason = "eval: " + (runner.failure_reason(ev.stderr, ev.returncode)
@@ -394,8 +395,8 @@ def write_results(comp: Comparison, results: List[VariantResult], plot: bool = T
                                  show_seed=summaries is not None)
     if not plot:
         return text
-    curves = {comp.under(Path(), r.seed) / r.variant: report.accuracy_curve(
-        report.read_log(comp.run_dir(r.variant, r.seed) / "log.jsonl"))
+    curves = {comp.under(Path(), r.seed) / r.variant: run_logs.accuracy_curve(
+        run_logs.read_log(comp.run_dir(r.variant, r.seed) / "log.jsonl"))
         for r in results}
     bars, bands = results, None
     if summaries is not None:  # one bar and one band per variant, over its seeds
@@ -404,7 +405,7 @@ def write_results(comp: Comparison, results: List[VariantResult], plot: bool = T
                                               for r in s.finished]) for s in summaries}
     figure = None
     try:
-        figure = report.plot_results(
+        figure = plot_results(
             bars, comp.dir / "results.png", curves={str(k): v for k, v in curves.items()},
             bands=bands, title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
     except Exception as e:  # a plot must not cost the user the table
@@ -425,7 +426,7 @@ TB_FIGURE = "compare/results"
 def write_tensorboard(tb_dir: Path, curves: Dict[str, List[Tuple[int, float, float]]],
                       start: float, figure=None) -> None:
     """``compare/val_accuracy_by_train_ms`` in ``tb_dir/<variant>/`` for every variant with a
-    curve (``report.accuracy_curve`` points): step = cumulative training time in ms, wall
+    curve (``run_logs.accuracy_curve`` points): step = cumulative training time in ms, wall
     time = ``start`` + that time. ``figure`` (the results figure) goes to ``tb_dir`` as
     ``compare/results``."""
     from torch.utils.tensorboard import SummaryWriter  # only with --tensorboard

@@ -11,7 +11,7 @@ import pytest
 from conftest import FAST_ARCH, IF_VAL_SIZE, event_files, run_script
 
 from ampkit.models import build_model
-from tools import report, runner  # AMP/ is on sys.path (conftest)
+from tools import figure, report, run_logs, runner  # AMP/ is on sys.path (conftest)
 
 OK_VARIANTS = ("train_without", "train_DDP")
 FAILING = "train_GradScaler"  # forced to fail with an unknown flag
@@ -23,17 +23,17 @@ def test_summarise_log_sums_training_time_and_takes_steady_throughput():
             {"epoch": 2, "train_time": 8.0, "images_per_s": 100.0, "val_acc": 0.7},
             {"epoch": 3, "train_time": 8.5, "images_per_s": 90.0, "val_acc": 0.6},
             {"epoch": 4, "train_time": 7.5, "images_per_s": 110.0, "val_acc": 0.65}]
-    s = report.summarise_log(rows)
+    s = run_logs.summarise_log(rows)
     assert s["epochs"] == 4
     assert s["train_time_s"] == pytest.approx(34.0)
     assert s["images_per_s"] == pytest.approx(100.0)  # median of the epochs after the first
     assert s["best_val_acc"] == pytest.approx(0.7)
     assert s["peak_mem_mb"] is None  # not in these rows: compare.py measures RSS instead
-    one = report.summarise_log([{"epoch": 1, "train_time": 2.0, "images_per_s": 12.0,
+    one = run_logs.summarise_log([{"epoch": 1, "train_time": 2.0, "images_per_s": 12.0,
                                  "val_acc": 0.5, "peak_mem_mb": 300.0}])
     assert one["images_per_s"] == 12.0 and one["peak_mem_mb"] == 300.0
     # A resumed run appends a row for an epoch it redid: the last one counts, once.
-    again = report.summarise_log(rows[:2] + [dict(rows[1], train_time=9.0)])
+    again = run_logs.summarise_log(rows[:2] + [dict(rows[1], train_time=9.0)])
     assert again["epochs"] == 2 and again["train_time_s"] == pytest.approx(19.0)
 
 
@@ -43,19 +43,19 @@ def test_accuracy_curve_is_accuracy_against_cumulative_training_time():
             # resumed: epoch 2 again; its last row counts, once
             {"epoch": 2, "train_time": 9.0, "epoch_time": 13.0, "val_acc": 0.65},
             {"epoch": 3, "train_time": 7.0, "epoch_time": 11.0, "val_acc": 0.7}]
-    assert report.accuracy_curve(rows) == [(1, 10.0, 0.4), (2, 19.0, 0.65), (3, 26.0, 0.7)]
+    assert run_logs.accuracy_curve(rows) == [(1, 10.0, 0.4), (2, 19.0, 0.65), (3, 26.0, 0.7)]
     # rows out of order: the last row of an epoch in the file counts, not the highest epoch
-    assert report.accuracy_curve(list(reversed(rows))) == [(1, 10.0, 0.4), (2, 18.0, 0.6),
+    assert run_logs.accuracy_curve(list(reversed(rows))) == [(1, 10.0, 0.4), (2, 18.0, 0.6),
                                                            (3, 25.0, 0.7)]
     # an epoch without val_acc adds its time but no point
-    assert report.accuracy_curve([rows[0], {"epoch": 2, "train_time": 5.0}, rows[3]]) == \
+    assert run_logs.accuracy_curve([rows[0], {"epoch": 2, "train_time": 5.0}, rows[3]]) == \
         [(1, 10.0, 0.4), (3, 22.0, 0.7)]
     # unknown training time or a missing epoch: the later points' times are unknown
-    assert report.accuracy_curve([rows[0], {"epoch": 2, "val_acc": 0.5}, rows[3]]) == \
+    assert run_logs.accuracy_curve([rows[0], {"epoch": 2, "val_acc": 0.5}, rows[3]]) == \
         [(1, 10.0, 0.4)]
-    assert report.accuracy_curve([rows[0], rows[3]]) == [(1, 10.0, 0.4)]
-    assert report.accuracy_curve([rows[1]]) == []
-    assert report.accuracy_curve([]) == []
+    assert run_logs.accuracy_curve([rows[0], rows[3]]) == [(1, 10.0, 0.4)]
+    assert run_logs.accuracy_curve([rows[1]]) == []
+    assert run_logs.accuracy_curve([]) == []
 
 
 def _result(variant, status="ok", images_per_s=None, peak_mem_mb=None, device="cpu",
@@ -107,7 +107,7 @@ def test_plot_results_draws_the_three_views(tmp_path):
     curves = {"train_without": [(1, 10.0, 0.4), (2, 19.0, 0.6)],
               "train_autocast": [(1, 6.0, 0.3), (2, 12.0, 0.7)],
               "train_DDP": [(1, 30.0, 0.2)]}
-    fig = report.plot_results(results, tmp_path / "r.png", title="t", curves=curves)
+    fig = figure.plot_results(results, tmp_path / "r.png", title="t", curves=curves)
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     acc, speed, mem = fig.axes
     assert [ax.get_title() for ax in fig.axes] == [
@@ -129,7 +129,7 @@ def test_plot_results_draws_the_three_views(tmp_path):
     assert [b.get_width() for b in mem.patches] == [1000.0, 800.0, 1200.0]
     assert [t.get_text() for t in mem.get_yticklabels()][2] == "train_DDP (failed)"
     # no baseline: said in the panel, no bars
-    fig = report.plot_results(results[1:], tmp_path / "r2.png", curves=curves)
+    fig = figure.plot_results(results[1:], tmp_path / "r2.png", curves=curves)
     assert list(fig.axes[1].patches) == []
     assert any("no baseline: train_without was not among" in t for t in _panel_texts(fig.axes[1]))
 
@@ -138,7 +138,7 @@ def test_write_tensorboard_puts_accuracy_at_the_cumulative_training_time(tmp_pat
     import compare
 
     curves = {"train_without": [(1, 10.0, 0.4), (2, 19.0, 0.6)], "train_DDP": []}
-    fig = report.plot_results([_result("train_without", images_per_s=1.0)], None, curves=curves)
+    fig = figure.plot_results([_result("train_without", images_per_s=1.0)], None, curves=curves)
     compare.write_tensorboard(tmp_path, curves, 1000.0, fig)
     points = _tb_points(tmp_path / "train_without", compare.TB_ACCURACY)
     assert [p[:2] for p in points] == [(10000, 1010.0), (19000, 1019.0)]  # ms of training
@@ -194,8 +194,8 @@ def test_failure_reason_finds_the_one_line():
 def test_parse_eval_output():
     out = ("checkpoint: /x/last.pth\n"
            "top-1 accuracy on ImageFolder test split (64px, 2 processes): 13/21 = 0.6190\n")
-    assert report.parse_eval_output(out) == (13, 21)
-    assert report.parse_eval_output("no accuracy here\n") is None
+    assert run_logs.parse_eval_output(out) == (13, 21)
+    assert run_logs.parse_eval_output("no accuracy here\n") is None
 
 
 def test_compare_flags_are_checked_before_anything_runs(tmp_path):
@@ -255,7 +255,7 @@ def test_compare_sends_accuracy_against_training_time_to_tensorboard(comparison)
     (run,) = (tmp / "tb").glob("compare-*")
     for v in OK_VARIANTS:
         points = _tb_points(run / v, compare.TB_ACCURACY)
-        log = report.read_log(out / "checkpoint" / v / "log.jsonl")
+        log = run_logs.read_log(out / "checkpoint" / v / "log.jsonl")
         # one point, epoch 1's: at its training time (in ms) and the log's accuracy
         assert [p[0] for p in points] == [round(log[0]["train_time"] * 1000)], (v, points)
         assert points[0][2] == pytest.approx(log[0]["val_acc"])
