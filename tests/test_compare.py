@@ -135,16 +135,16 @@ def test_plot_results_draws_the_three_views(tmp_path):
 
 
 def test_write_tensorboard_puts_accuracy_at_the_cumulative_training_time(tmp_path):
-    import compare
+    from tools import compare_results
 
     curves = {"train_without": [(1, 10.0, 0.4), (2, 19.0, 0.6)], "train_DDP": []}
     fig = figure.plot_results([_result("train_without", images_per_s=1.0)], None, curves=curves)
-    compare.write_tensorboard(tmp_path, curves, 1000.0, fig)
-    points = _tb_points(tmp_path / "train_without", compare.TB_ACCURACY)
+    compare_results.write_tensorboard(tmp_path, curves, 1000.0, fig)
+    points = _tb_points(tmp_path / "train_without", compare_results.TB_ACCURACY)
     assert [p[:2] for p in points] == [(10000, 1010.0), (19000, 1019.0)]  # ms of training
     assert [p[2] for p in points] == pytest.approx([0.4, 0.6])
     assert not (tmp_path / "train_DDP").exists()  # nothing to draw: no run
-    assert compare.TB_FIGURE in _tb_tags(tmp_path, recursive=False)
+    assert compare_results.TB_FIGURE in _tb_tags(tmp_path, recursive=False)
 
 
 def _tb_events(folder: Path, recursive: bool = True):
@@ -249,18 +249,18 @@ def test_compare_writes_the_three_files_and_prints_the_table(comparison):
 
 @pytest.mark.slow
 def test_compare_sends_accuracy_against_training_time_to_tensorboard(comparison):
-    import compare
+    from tools import compare_results
 
     res, out, rows, tmp = comparison
     (run,) = (tmp / "tb").glob("compare-*")
     for v in OK_VARIANTS:
-        points = _tb_points(run / v, compare.TB_ACCURACY)
+        points = _tb_points(run / v, compare_results.TB_ACCURACY)
         log = run_logs.read_log(out / "checkpoint" / v / "log.jsonl")
         # one point, epoch 1's: at its training time (in ms) and the log's accuracy
         assert [p[0] for p in points] == [round(log[0]["train_time"] * 1000)], (v, points)
         assert points[0][2] == pytest.approx(log[0]["val_acc"])
-    assert compare.TB_ACCURACY not in _tb_tags(run / FAILING)  # no epoch: no curve
-    assert compare.TB_FIGURE in _tb_tags(run, recursive=False)
+    assert compare_results.TB_ACCURACY not in _tb_tags(run / FAILING)  # no epoch: no curve
+    assert compare_results.TB_FIGURE in _tb_tags(run, recursive=False)
 
 
 @pytest.mark.slow

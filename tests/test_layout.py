@@ -216,7 +216,7 @@ def test_imports_run_one_way_plumbing_beneath_tools_above():
         "__init__", "engine", "train", "evaluate", "precision", "distributed", "models",
         "comm_hooks"}
     assert {"measure_steps", "measure_input", "cifar_files", "tables", "report", "run_logs",
-            "figure", "runner",
+            "figure", "comparison", "compare_results", "runner",
             "variants", "bench_flags"} <= {p.stem for p in
                                                           (AMP_DIR / "tools").glob("*.py")}
 

@@ -6,6 +6,8 @@ three precisions and in FSDP2's own mixed precision (``train_FSDP_mixed``).
 """
 from __future__ import annotations
 
+import re
+
 DISTRIBUTED = ("ddp", "fsdp")  # one process per device, started by torchrun
 _PAR_NAME = {"single": "", "dp": "DP", "ddp": "DDP", "fsdp": "FSDP"}
 _PREC_NAME = {"fp32": "", "autocast": "autocast", "grad_scaler": "GradScaler", "mixed": "mixed"}
@@ -28,3 +30,10 @@ ARTICLE_VARIANTS = {train_name(par, prec): (par, prec)
 TRAIN_VARIANTS = dict(ARTICLE_VARIANTS)
 TRAIN_VARIANTS.update({train_name("fsdp", prec): ("fsdp", prec)
                        for prec in ("fp32", "autocast", "grad_scaler", "mixed")})
+
+LABEL = re.compile(r"[A-Za-z0-9_.-]+")  # SCRIPT+LABEL (compare.py): also a folder's name
+
+
+def script_of(variant: str) -> str:
+    """``train_DDP+bf16comm`` -> ``train_DDP``: the training script a variant runs."""
+    return variant.partition("+")[0]

@@ -1,0 +1,116 @@
+"""What a comparison writes: results.csv, results.md (with the spread over seeds and the
+Welch verdicts), results.png, and its TensorBoard curves of accuracy against training time."""
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from . import report, run_logs, stats
+from .comparison import Comparison, cpu_name, gpu_name, short
+from .figure import plot_results
+from .report import VariantResult
+
+
+def _preamble(comp: Comparison, machine: str) -> List[str]:
+    a = comp.args
+    command = shlex.join(["python", os.path.relpath(sys.argv[0])] + sys.argv[1:]) \
+        if sys.argv and sys.argv[0].endswith("compare.py") else "(from Python)"
+    seeds = f"seed {a.seed}" if a.seeds == 1 else f"seeds {a.seed} to {a.seed + a.seeds - 1}"
+    return [
+        f"Command: `{command}`",
+        "",
+        f"- Machine: {machine}; torch {comp.torch_version}, Python {platform.python_version()}",
+        f"- Data: {a.dataset} ({short(a.dataset_root)}) at {a.img_size}px; {a.epochs} epochs, batch "
+        f"{a.batch_size} (per process under DDP), AdamW lr {a.lr:g}, {seeds}",
+        f"- Run: {time.strftime('%Y-%m-%d %H:%M')}; DDP variants: {comp.nproc} processes",
+    ]
+
+
+NOTES = [
+    "Columns: *total wall time* is the training command from start to exit (process "
+    "start-up, data loading, validation and checkpoint writes included); *training time* "
+    "is the sum of the training loops alone (`train_time` in log.jsonl, device "
+    "synchronised, no validation); *images/s* is the median over the epochs after the "
+    "first (the only epoch's when there is one), all devices together; *peak memory* is "
+    "`peak_mem_mb` from log.jsonl (rank 0: `torch.cuda.max_memory_allocated` on a GPU, "
+    "max RSS on the CPU), or, marked (RSS), the peak resident memory of the largest "
+    "process of the command measured by compare.py; *TFLOP/s* is what the training loops "
+    "achieved (the FLOPs of a forward and backward per image x images / training time), "
+    "with its share of the devices' dense peak where that is known; *test acc* is what the "
+    "variant's eval script prints for its last.pth.",
+]
+
+
+def write_results(comp: Comparison, results: List[VariantResult], plot: bool = True) -> str:
+    """results.csv and results.md (and with ``plot`` results.png and the TensorBoard
+    curves) of the runs so far; the Markdown text."""
+    a = comp.args
+    machine = (f"{comp.gpus} x {gpu_name()}" if comp.cuda
+               else f"CPU: {cpu_name()}, {os.cpu_count()} cores")
+    summaries = stats.summarise_seeds(results) if a.seeds > 1 else None
+    summary = ("" if summaries is None else
+               f"Over {a.seeds} seeds:\n\n{stats.seed_table(summaries)}\n\n{stats.RULE}\n\n"
+               "Every run:\n")
+    report.write_csv(results, comp.dir / "results.csv")
+    text = report.write_markdown(results, comp.dir / "results.md", title="AlexNet AMP comparison",
+                                 preamble=_preamble(comp, machine), notes=NOTES, summary=summary,
+                                 show_seed=summaries is not None)
+    if not plot:
+        return text
+    curves = {comp.under(Path(), r.seed) / r.variant: run_logs.accuracy_curve(
+        run_logs.read_log(comp.run_dir(r.variant, r.seed) / "log.jsonl"))
+        for r in results}
+    bars, bands = results, None
+    if summaries is not None:  # one bar and one band per variant, over its seeds
+        bars = [stats.mean_result(s) for s in summaries]
+        bands = {s.first.variant: stats.band([curves[comp.under(Path(), r.seed) / r.variant]
+                                              for r in s.finished]) for s in summaries}
+    figure = None
+    try:
+        figure = plot_results(
+            bars, comp.dir / "results.png", curves={str(k): v for k, v in curves.items()},
+            bands=bands, title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
+    except Exception as e:  # a plot must not cost the user the table
+        print(f"compare.py: warning: results.png not written ({e})", file=sys.stderr)
+    if a.tensorboard:
+        try:
+            write_tensorboard(comp.tb_dir, curves, comp.started, figure)
+        except Exception as e:  # nor TensorBoard
+            print(f"compare.py: warning: TensorBoard curves not written ({e})",
+                  file=sys.stderr)
+    return text
+
+
+TB_ACCURACY = "compare/val_accuracy_by_train_ms"
+TB_FIGURE = "compare/results"
+
+
+def write_tensorboard(tb_dir: Path, curves: Dict[str, List[Tuple[int, float, float]]],
+                      start: float, figure=None) -> None:
+    """``compare/val_accuracy_by_train_ms`` in ``tb_dir/<variant>/`` for every variant with a
+    curve (``run_logs.accuracy_curve`` points): step = cumulative training time in ms, wall
+    time = ``start`` + that time. ``figure`` (the results figure) goes to ``tb_dir`` as
+    ``compare/results``."""
+    from torch.utils.tensorboard import SummaryWriter  # only with --tensorboard
+
+    for variant, points in curves.items():
+        if not points:
+            continue
+        writer = SummaryWriter(str(tb_dir / variant))
+        try:
+            for _, seconds, acc in points:
+                writer.add_scalar(TB_ACCURACY, acc, global_step=round(seconds * 1000),
+                                  walltime=start + seconds)
+        finally:
+            writer.close()
+    if figure is not None:
+        writer = SummaryWriter(str(tb_dir))
+        try:
+            writer.add_figure(TB_FIGURE, figure, global_step=0, walltime=start)
+        finally:
+            writer.close()
