@@ -20,7 +20,7 @@ from ampkit.machinery.config import parse_eval_args
 from ampkit.machinery.errors import report_user_errors
 
 
-@report_user_errors  # after an error, also leaves the process group
+@report_user_errors  # a user's mistake: one line and exit status 2
 def main(argv=None):
     args = parse_eval_args("eval_DDP", argv, __doc__, process_group=True)
     rank, world_size, device = torchrun_env(args.cuda)  # device: cuda:LOCAL_RANK, or the CPU
@@ -29,12 +29,14 @@ def main(argv=None):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, store=elastic_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)  # None on the CPU
-    ev = Evaluation(args, device)  # checkpoint, test split, model with its weights
-    shard = range(rank, ev.test_size, world_size)  # every world_size-th image, from `rank` on
-    counts = ev.count_correct(ev.model, shard)  # tensor([correct, seen]) of this shard
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # summed over all processes: exact totals
-    ev.report(*counts.tolist())
-    dist.destroy_process_group()
+    try:  # the group is left on every way out: the end or an error
+        ev = Evaluation(args, device)  # checkpoint, test split, model with its weights
+        shard = range(rank, ev.test_size, world_size)  # every world_size-th image, from `rank` on
+        counts = ev.count_correct(ev.model, shard)  # tensor([correct, seen]) of this shard
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # summed over all processes: exact totals
+        ev.report(*counts.tolist())
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

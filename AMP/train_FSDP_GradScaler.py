@@ -66,7 +66,7 @@ def build(parts: Parts) -> Technique:
     return Technique(model, optimizer, train_step, autocast, scaler)
 
 
-@report_user_errors  # a user's mistake: one line and exit status 2; the group is left too
+@report_user_errors  # a user's mistake: one line and exit status 2, never a traceback
 def main(argv=None):
     args = parse_train_args("train_FSDP_GradScaler", argv, __doc__, process_group=True)
     # One process per GPU, in a group from torchrun's RANK, WORLD_SIZE and LOCAL_RANK (the
@@ -77,40 +77,43 @@ def main(argv=None):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, store=elastic_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)  # None on the CPU
-    with Run(args, device) as run:  # run folder, logs, data, the model from --seed, resume
-        # Each process its own share of the data; the article's never changed its order.
-        sampler = DistributedSampler(run.train_set, shuffle=True, seed=args.seed)
-        loader = run.train_loader(sampler)
-        t = build(run.parts)  # the model as the script wraps it, its optimizer and step
-        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max", patience=3)
-        run.start(t, scheduler)  # a resumed run's states, --compile, the header line
+    try:  # the group is left on every way out: the end, a stop, an error
+        with Run(args, device) as run:  # run folder, logs, data, the model from --seed, resume
+            # Each process its own share of the data; the article's never changed its order.
+            sampler = DistributedSampler(run.train_set, shuffle=True, seed=args.seed)
+            loader = run.train_loader(sampler)
+            t = build(run.parts)  # the model as the script wraps it, its optimizer and step
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max",
+                                                                   patience=3)
+            run.start(t, scheduler)  # a resumed run's states, --compile, the header line
 
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # to rank 0's CPU
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # to rank 0's CPU
 
-        def checkpoint():  # every rank gathers the full state from the shards; rank 0 writes
-            return {"model": get_model_state_dict(t.model, options=full),
-                    "optimizer": get_optimizer_state_dict(t.model, t.optimizer, options=full),
-                    "scheduler": scheduler.state_dict(), "scaler": t.scaler.state_dict()}
+            def checkpoint():  # every rank gathers the full state from the shards; rank 0 writes
+                return {"model": get_model_state_dict(t.model, options=full),
+                        "optimizer": get_optimizer_state_dict(t.model, t.optimizer, options=full),
+                        "scheduler": scheduler.state_dict(), "scaler": t.scaler.state_dict()}
 
-        for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
-            sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
-            start_step = run.begin_epoch(epoch)  # its clock; a resumed epoch's first step
-            stats = train_one_epoch(  # the script's step on every window of the epoch
-                t.step, loader, run.info, accum_steps=args.accum_steps, start_step=start_step,
-                before=run.so_far(epoch), stop=run.vote, skipped=run.skipped,
-                max_nonfinite=None,  # the scaler skips inf/NaN steps
-                log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
-                input_format=run.input_format, profiler=run.profiler(epoch))
-            if stats.stopped_at is not None:  # a signal: every rank stopped at this step
-                run.save(checkpoint, epoch, stopped=stats)  # at that step, with the epoch so far
-                break
-            counts = run.validate(t)  # tensor([correct, seen]) of this rank's shard
-            dist.all_reduce(counts)  # summed: exact (the article divided each rank's own count)
-            correct, seen = counts.tolist()
-            scheduler.step(correct / seen)  # on validation accuracy (mode="max")
-            run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
-            run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
-    dist.destroy_process_group()  # leave the group (the article never did)
+            for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
+                sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
+                start_step = run.begin_epoch(epoch)  # its clock; a resumed epoch's first step
+                stats = train_one_epoch(  # the script's step on every window of the epoch
+                    t.step, loader, run.info, accum_steps=args.accum_steps, start_step=start_step,
+                    before=run.so_far(epoch), stop=run.vote, skipped=run.skipped,
+                    max_nonfinite=None,  # the scaler skips inf/NaN steps
+                    log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
+                    input_format=run.input_format, profiler=run.profiler(epoch))
+                if stats.stopped_at is not None:  # a signal: every rank stopped at this step
+                    run.save(checkpoint, epoch, stopped=stats)  # at that step, the epoch so far
+                    break
+                counts = run.validate(t)  # tensor([correct, seen]) of this rank's shard
+                dist.all_reduce(counts)  # summed: exact (the article divided each rank's own count)
+                correct, seen = counts.tolist()
+                scheduler.step(correct / seen)  # on validation accuracy (mode="max")
+                run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
+                run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
+    finally:
+        dist.destroy_process_group()  # leave the group (the article never did)
     return run.status  # 0, or 128 + the signal after a stop
 
 

@@ -53,7 +53,8 @@ def main(argv=None):
     with Run(args) as run:  # device, run folder, logs, data, the model from --seed, resume
         loader = run.train_loader()  # one process's order, a new one every epoch
         t = build(run.parts)  # the model as the script wraps it, its optimizer and step
-        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max", patience=3)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max",
+                                                               patience=3)
         run.start(t, scheduler)  # a resumed run's states, --compile, the header line
 
         def checkpoint():  # what is saved; rank 0 writes it, in the background
@@ -69,7 +70,7 @@ def main(argv=None):
                 log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
                 input_format=run.input_format, profiler=run.profiler(epoch))
             if stats.stopped_at is not None:  # a signal: saved at that step, for --resume
-                run.save(checkpoint, epoch, stopped=stats)  # at that step, with the epoch so far
+                run.save(checkpoint, epoch, stopped=stats)  # at that step, the epoch so far
                 break
             correct, seen = run.validate(t).tolist()  # top-1 on the validation split
             scheduler.step(correct / seen)  # on validation accuracy (mode="max")

@@ -522,3 +522,30 @@ def test_a_killed_ddp_worker_leaves_one_line_per_survivor(imagefolder_root, tmp_
     for tb in err.split("Traceback (most recent call last):")[1:]:
         assert "AMP/" not in tb[:400] and "ampkit" not in tb[:400], tb[:400]
     assert "saving" not in out and "saved" not in out, out
+
+
+@pytest.mark.parametrize("script", ["train_DDP", "train_FSDP_mixed", "eval_DDP"])
+def test_an_error_after_the_group_is_made_leaves_it_in_the_scripts_own_teardown(
+        script, tmp_path, monkeypatch):
+    """A user's mistake found once the process group exists (here: a data folder without
+    train/ and val/, a checkpoint that is not there) is one line and exit status 2, and the
+    script's own ``finally`` has left the group: nothing else does it for the script."""
+    import torch.distributed as dist
+
+    from conftest import run_main
+
+    made = []
+    real_init = dist.init_process_group
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda *a, **kw: (made.append(kw.get("world_size")), real_init(*a, **kw)))
+    (tmp_path / "no_split").mkdir()
+    argv = (["--checkpoint", tmp_path / "none.pth", "--no-cuda"] if script.startswith("eval")
+            else _args(tmp_path / "no_split", tmp_path / "ckpt"))
+    try:
+        code, out, err = run_main(script, *argv)
+        assert made == [1], made  # the error came after the group was made
+        assert code == 2 and len(err.strip().splitlines()) == 1, (code, err)
+        assert not dist.is_initialized(), f"{script} left its process group behind"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -68,15 +68,12 @@ def _several() -> bool:
 
 def report_user_errors(main: Callable) -> Callable:
     """A script's ``main``: a :class:`UserError`, Ctrl-C before training starts, or a peer
-    process lost under torchrun end in one line and a non-zero exit status. A process group
-    the script joined and did not leave (an error, a stop: it never got to its
-    ``destroy_process_group``) is left here, whatever ended it: gloo otherwise aborts the
-    process at exit, and a script called in-process would leave its group behind."""
+    process lost under torchrun end in one line and a non-zero exit status. The script has
+    left its process group by then, in its own ``finally``."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         prog = os.path.basename(sys.argv[0]) or "ampkit"
-        had_group = _group_initialized()
         try:
             return main(*args, **kwargs)
         except UserError as e:
@@ -97,13 +94,5 @@ def report_user_errors(main: Callable) -> Callable:
             print(f"{prog}: error: rank {_rank()}: lost a peer process ({reason}); exiting so "
                   "torchrun can restart or stop", file=sys.stderr, flush=True)
             sys.exit(EXIT_LOST_PEER)
-        finally:
-            if not had_group and _group_initialized():
-                sys.modules["torch.distributed"].destroy_process_group()
 
     return wrapper
-
-
-def _group_initialized() -> bool:
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
