@@ -34,10 +34,10 @@ from typing import List, Optional
 
 import torch
 
-from ampkit.machinery.devices import want_cuda
+from ampkit.machinery.process import want_cuda
 from ampkit.machinery.data import default_workers
 from ampkit.machinery.errors import UserError
-from ampkit.machinery.flops import fp32_peak_math, peak_tflops
+from ampkit.machinery.hardware_use import fp32_peak_math, peak_tflops
 from ampkit.precision import cpu_has_fast_bf16, set_tf32
 from tools import measure_input, measure_steps, tables
 from tools.bench_flags import PIPELINES, parse_args
@@ -52,7 +52,7 @@ def peaks(args: argparse.Namespace, device, fp32_math: str) -> tuple:
         half = half if half is not None else peak_tflops(name, "half")
         full = full if full is not None else peak_tflops(name, fp32_peak_math(fp32_math))
         if half is None or full is None:
-            print(f"note: no peak TFLOP/s known for {name} (ampkit/machinery/flops.py): no "
+            print(f"note: no peak TFLOP/s known for {name} (ampkit/machinery/hardware_use.py): no "
                   "utilisation without --peak_tflops and --peak_tflops_fp32", flush=True)
     return half, full
 
@@ -90,7 +90,8 @@ def time_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
                     variant=variant, parallel=par, precision=prec, amp_dtype="", arch=args.arch,
                     device=device.type, devices=1, batch_size=args.batch_size,
                     img_size=args.img_size, warmup=args.warmup, steps=args.steps,
-                    comm_hook=hook if par == "ddp" else "", status="failed", reason=(str(e).strip().splitlines() or [type(e).__name__])[0])
+                    comm_hook=hook if par == "ddp" else "", status="failed",
+                    reason=(str(e).strip().splitlines() or [type(e).__name__])[0])
                 print(f"  {name}: FAILED: {r.reason}", flush=True)
             results.append(r)
             gc.collect()  # this variant's model and optimizer, before the next one's

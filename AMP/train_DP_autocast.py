@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from ampkit.engine import Parts, Technique, train_one_epoch
+from ampkit.engine import count_correct, train_one_epoch
+from ampkit.technique import Parts, Technique
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
 from ampkit.models import autocast_replicas
@@ -83,7 +84,10 @@ def main(argv=None):
             if stats.stopped_at is not None:  # a signal: saved at that step, for --resume
                 run.save(checkpoint, epoch, stopped=stats)  # at that step, the epoch so far
                 break
-            correct, seen = run.validate(t).tolist()  # top-1 on the validation split
+            counts = count_correct(  # tensor([correct, seen]): top-1 on the validation split
+                t.model, run.data.val, run.info, t.autocast, desc="val",
+                input_format=run.input_format, image_shape=run.image_shape)
+            correct, seen = counts.tolist()
             scheduler.step(correct / seen)  # on validation accuracy (mode="max")
             run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
             run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard

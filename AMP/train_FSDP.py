@@ -21,7 +21,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
 from ampkit.distributed import GROUP_TIMEOUT, elastic_store, torchrun_env
-from ampkit.engine import Parts, Technique, train_one_epoch
+from ampkit.engine import count_correct, train_one_epoch
+from ampkit.technique import Parts, Technique
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.errors import report_user_errors
 from ampkit.models import shard_units
@@ -104,7 +105,9 @@ def main(argv=None):
                 if stats.stopped_at is not None:  # a signal: every rank stopped at this step
                     run.save(checkpoint, epoch, stopped=stats)  # at that step, the epoch so far
                     break
-                counts = run.validate(t)  # tensor([correct, seen]) of this rank's shard
+                counts = count_correct(  # tensor([correct, seen]) of this rank's shard
+                    t.model, run.data.val, run.info, t.autocast, desc="val",
+                    input_format=run.input_format, image_shape=run.image_shape)
                 dist.all_reduce(counts)  # summed: exact (the article divided each rank's own count)
                 correct, seen = counts.tolist()
                 scheduler.step(correct / seen)  # on validation accuracy (mode="max")

@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 
 
 def _parts(model, **kw):
-    from ampkit.engine import Parts
+    from ampkit.technique import Parts
 
     return Parts(CPU, model, nn.CrossEntropyLoss(), **kw)
 
@@ -74,7 +74,7 @@ def test_a_short_last_window_is_weighted_as_what_it_holds():
     """5 micro-batches with K = 2: steps over 2, 2 and 1; the last one's gradient is that one
     micro-batch's mean loss's, not half of it."""
     import train_without
-    from ampkit.machinery.ranks import DistInfo
+    from ampkit.machinery.process import DistInfo
     from ampkit.engine import train_one_epoch
 
     torch.manual_seed(0)

@@ -109,7 +109,7 @@ def test_bf16_under_dataparallel_for_any_arch():
     import torchvision
 
     import train_DP_autocast
-    from ampkit.engine import Parts
+    from ampkit.technique import Parts
 
     torch.manual_seed(0)
     net = torchvision.models.get_model("resnet18", num_classes=3).eval()
@@ -160,7 +160,7 @@ def test_fsdp_precision_is_what_the_script_says(variant, gloo_of_one):
     import importlib
 
     from alexnet import alexnet
-    from ampkit.engine import Parts
+    from ampkit.technique import Parts
 
     torch.manual_seed(0)
     net = alexnet(num_classes=3).eval()
@@ -181,7 +181,7 @@ def test_fsdp_mixed_refuses_batchnorm_networks():
     import torchvision
 
     import train_FSDP_mixed
-    from ampkit.engine import Parts
+    from ampkit.technique import Parts
     from ampkit.machinery.errors import UserError
 
     net = torchvision.models.get_model("resnet18", num_classes=3)
@@ -195,7 +195,7 @@ def test_fsdp_takes_a_channels_last_model(gloo_of_one):
     weights and still train on channels_last inputs."""
     import train_FSDP
     from alexnet import alexnet
-    from ampkit.engine import Parts
+    from ampkit.technique import Parts
 
     torch.manual_seed(0)
     net = alexnet(num_classes=3).to(memory_format=torch.channels_last)

@@ -9,7 +9,7 @@ import torch
 
 from conftest import FAST_ARCH
 
-from ampkit.machinery import checkpoint_writer
+from ampkit.machinery import background_writer, checkpoint_writer
 
 
 def test_atomic_save_with_spare_rotates_and_rewrites_in_place(tmp_path):
@@ -32,7 +32,7 @@ def test_atomic_save_with_spare_rotates_and_rewrites_in_place(tmp_path):
 def test_snapshot_reuses_its_buffers_and_is_independent_of_the_source():
     live = {"model": {"w": torch.ones(4)}, "optimizer": {"state": {0: {"m": torch.zeros(3)}},
                                                          "param_groups": [{"lr": 0.1}]}}
-    snap = checkpoint_writer.Snapshot()
+    snap = background_writer.Snapshot()
     first = snap.take(live)
     live["model"]["w"].add_(1)  # training goes on
     assert torch.equal(first["model"]["w"], torch.ones(4))
@@ -43,7 +43,7 @@ def test_snapshot_reuses_its_buffers_and_is_independent_of_the_source():
 
 
 def test_background_writer_reports_an_error_at_the_next_wait(tmp_path):
-    writer = checkpoint_writer.BackgroundWriter()
+    writer = background_writer.BackgroundWriter()
     writer.submit([({"x": torch.zeros(1)}, tmp_path / "missing" / "last.pth")])
     with pytest.raises(OSError):
         writer.wait()
@@ -62,17 +62,16 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
     a second name of that file (nothing more written); one between saves is written, its
     weights, by the next save."""
     import train_without
-    from ampkit import train
 
     writes = []
-    original = checkpoint_writer.atomic_save
+    original = background_writer.atomic_save
 
     def recording(obj, path, spare=False):
         writes.append((path.name, obj["epoch"], threading.current_thread().name))
         original(obj, path, spare)
 
     accuracies = iter([0.5, 0.4, 0.6])
-    real_count = train.count_correct
+    real_count = train_without.count_correct
 
     def forced(*args, **kwargs):
         counts = real_count(*args, **kwargs)
@@ -80,8 +79,8 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
         counts[1] = 1000
         return counts
 
-    monkeypatch.setattr(checkpoint_writer, "atomic_save", recording)
-    monkeypatch.setattr(train, "count_correct", forced)
+    monkeypatch.setattr(background_writer, "atomic_save", recording)
+    monkeypatch.setattr(train_without, "count_correct", forced)
     train_without.main(["--dataset", "ImageFolder", "--dataset_root", str(imagefolder_root),
                         "--img_size", "64", "--batch_size", "48", "--epochs", "3", "--no-cuda",
                         "--no-tensorboard", "--checkpoint", str(tmp_path), "--arch", FAST_ARCH,
@@ -98,7 +97,7 @@ def test_best_is_a_second_name_that_the_next_saves_leave_alone(tmp_path):
     """best.pth names epoch 1's last.pth; the saves of epochs 2 and 3 (whose spare-file
     rotation rewrites the version before the current one in place) leave it whole."""
     last, best = tmp_path / "last.pth", tmp_path / "best.pth"
-    writer = checkpoint_writer.BackgroundWriter()
+    writer = background_writer.BackgroundWriter()
     for epoch in (1, 2, 3):
         state = {"epoch": epoch, "w": torch.full((1000,), float(epoch))}
         files = [(state, last)] + ([checkpoint_writer.Link(last, best, fallback=state)] if epoch == 1

@@ -28,7 +28,7 @@ def _build(variant, model, amp_dtype=None, dp_scope="model"):
     """The variant's objects as its training script makes them, with the script's optimizer."""
     import importlib
 
-    from ampkit.engine import Parts
+    from ampkit.technique import Parts
 
     parts = Parts(torch.device("cuda", torch.cuda.current_device()), model, nn.CrossEntropyLoss(),
                   amp_dtype, dp_scope)

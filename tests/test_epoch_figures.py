@@ -41,8 +41,9 @@ def test_skipped_steps_are_each_epochs_own():
     A first scale of 2**127 and large inputs overflow the scaled gradients of the first steps
     (5 on this project's machine), until the halved scale fits."""
     import train_GradScaler
-    from ampkit.machinery.ranks import DistInfo
-    from ampkit.engine import Parts, train_one_epoch
+    from ampkit.machinery.process import DistInfo
+    from ampkit.engine import train_one_epoch
+    from ampkit.technique import Parts
     from ampkit.precision import SkippedSteps
 
     t = train_GradScaler.build(Parts(CPU, _tiny_net(), nn.CrossEntropyLoss()))
@@ -63,7 +64,7 @@ def test_peak_memory_is_each_epochs_own(imagefolder_root, tmp_path, capsys, monk
     """1.5 GB held for a moment in epoch 1 only: epoch 2's peak must not show it. (On a GPU
     the same reset applies to max_memory_allocated.)"""
     import train_without
-    from ampkit.machinery.memory import reset_peak_memory
+    from ampkit.machinery.hardware_use import reset_peak_memory
 
     if not reset_peak_memory(CPU):
         pytest.skip("this system cannot reset a process's peak RSS")
@@ -187,7 +188,7 @@ def test_each_epoch_reports_its_achieved_tflops_and_share_of_the_peak(imagefolde
 def test_the_peak_is_the_gpus_by_its_name_and_a_missing_one_is_said(monkeypatch):
     import torch
 
-    from ampkit.machinery.flops import run_peak
+    from ampkit.machinery.hardware_use import run_peak
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200 NVL")

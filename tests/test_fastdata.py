@@ -21,7 +21,7 @@ from torch import nn
 
 from torch.utils.data import DistributedSampler
 
-from ampkit.machinery.ranks import DistInfo
+from ampkit.machinery.process import DistInfo
 from ampkit.machinery.data import eval_loader, train_loader
 from ampkit.machinery.datasets import STD, build_datasets, build_transform
 from ampkit.machinery.samplers import one_process_sampler
@@ -225,7 +225,8 @@ def test_validation_shards_cover_each_sample_once(n):
 def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
     import train_without
     from alexnet import alexnet
-    from ampkit.engine import Parts, count_correct, train_one_epoch
+    from ampkit.engine import count_correct, train_one_epoch
+    from ampkit.technique import Parts
 
     torch.manual_seed(0)  # same initial weights, dropout and (classic) flip streams
     model = alexnet(num_classes=num_classes)

@@ -38,7 +38,7 @@ SAMPLER_RECIPE = {"DistributedSampler(run.train_set", "sampler.set_epoch(epoch)"
 # Each train script's epoch, DeiT's shape: train, validate, schedule, save, log.
 EPOCH = ["for epoch in run.epochs():", "start_step = run.begin_epoch(epoch)",
          "t.step, loader, run.info, accum_steps=args.accum_steps, start_step=start_step,",
-         "run.save(checkpoint, epoch, stopped=stats)", "run.validate(t)",
+         "run.save(checkpoint, epoch, stopped=stats)", "count_correct(",
          "scheduler.step(correct / seen)", "run.save(checkpoint, epoch + 1, val_acc=correct / seen)",
          "run.log(epoch, stats, (correct, seen))"]
 
@@ -117,7 +117,6 @@ def test_script_contains_its_technique_literally(name):
         # The epoch's options named at the call; the run's status returned after the teardown.
         assert "**" not in code, name
         assert code.rstrip().splitlines()[-3].strip() == "return run.status", name
-    assert len(_source(name).splitlines()) <= 130  # about 110 to 125
 
 
 def _pairs():
@@ -218,8 +217,8 @@ def test_imports_run_one_way_plumbing_beneath_tools_above():
                    if _layer(dep) not in allowed[_layer(name)])
     assert not wrong, wrong
     assert {p.stem for p in (AMP_DIR / "ampkit").glob("*.py")} == {
-        "__init__", "engine", "train", "evaluate", "precision", "distributed", "models",
-        "comm_hooks"}
+        "__init__", "technique", "engine", "train", "evaluate", "precision", "distributed",
+        "models", "comm_hooks"}
     assert {"measure_steps", "measure_input", "cifar_files", "tables", "report", "run_logs",
             "figure", "comparison", "compare_results", "runner",
             "variants", "bench_flags"} <= {p.stem for p in
@@ -333,3 +332,14 @@ def test_help_describes_the_script_by_its_docstrings_first_line(name, capsys):
     assert exit_info.value.code == 0
     first = module.__doc__.strip().splitlines()[0]
     assert " ".join(first.split()) in " ".join(capsys.readouterr().out.split())
+
+
+def test_modules_end_at_their_seams():
+    """Every module under AMP/ fits a few screens (at most 260 lines, docstrings included: a
+    longer one holds two things); a train script, its whole run in view, at most 160."""
+    sizes = {str(p.relative_to(AMP_DIR)): len(p.read_text().splitlines())
+             for p in AMP_DIR.rglob("*.py")}
+    assert len(sizes) > 40, sizes
+    too_long = {f: n for f, n in sizes.items()
+                if n > (160 if f.startswith("train_") else 260)}
+    assert not too_long, too_long

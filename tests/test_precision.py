@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from alexnet import AlexNet, alexnet
-from ampkit.engine import Parts, Technique
+from ampkit.technique import Parts, Technique
 from ampkit.models import AutocastForward
 from conftest import as_a_dataparallel_replica
 from ampkit.precision import resolve_amp_dtype

@@ -377,8 +377,8 @@ def _nan_model_run(variant: str):
 
     from torch import nn
 
-    from ampkit.machinery.ranks import DistInfo
-    from ampkit.engine import Parts
+    from ampkit.machinery.process import DistInfo
+    from ampkit.technique import Parts
     from ampkit.precision import SkippedSteps
 
     cpu = torch.device("cpu")

@@ -92,7 +92,7 @@ def test_loader_workers_ignore_stop_signals_from_outside_but_end_with_their_proc
     process terminates them, as ``multiprocessing`` does at its exit."""
     from ampkit.machinery.data import train_loader
     from ampkit.machinery.datasets import build_datasets
-    from ampkit.machinery.ranks import DistInfo
+    from ampkit.machinery.process import DistInfo
 
     info = DistInfo(torch.device("cpu"))
     before = _children()

@@ -272,7 +272,7 @@ def test_each_rank_and_each_gpu_draws_from_a_stream_of_its_own():
     """After the model: rank r's CPU stream (dropout, the classic path's flips) is its own,
     the same for the same seed; with CUDA every visible GPU's is its own too, or
     DataParallel's replicas would drop the same units of their chunks."""
-    from ampkit.machinery.ranks import seed_streams
+    from ampkit.machinery.process import seed_streams
 
     draws = {}
     for rank in (0, 1, 0):
@@ -294,8 +294,8 @@ def test_the_set_up_builds_one_model_and_gives_each_rank_a_stream_of_its_own():
 
     import torch.nn.functional as F
 
-    from ampkit.machinery.ranks import DistInfo
-    from ampkit.train import _parts
+    from ampkit.machinery.process import DistInfo
+    from ampkit.technique import make_parts
 
     args = SimpleNamespace(seed=3, arch=FSDP_ARCH, pretrained=False, dp_scope="model",
                            amp_dtype=None, lr=1e-4, clip_grad=None, batch_size=16, accum_steps=1,
@@ -304,7 +304,7 @@ def test_the_set_up_builds_one_model_and_gives_each_rank_a_stream_of_its_own():
     weights, masks = [], []
     for rank in (0, 1, 0):
         info = DistInfo(torch.device("cpu"), rank=rank, world_size=2, distributed=True)
-        parts = _parts(args, info, 3, torch.contiguous_format, train_size=48)
+        parts = make_parts(args, info, 3, torch.contiguous_format, train_size=48)
         weights.append(parts.model.state_dict())
         masks.append(F.dropout(torch.ones(256), p=0.5, training=True))
     assert all(torch.equal(w[k], weights[0][k]) for w in weights[1:] for k in weights[0])

@@ -7,9 +7,9 @@ from torch import nn
 
 import train_DP
 from alexnet import alexnet
-from ampkit.engine import Parts
+from ampkit.technique import Parts
 from ampkit.machinery import checkpoint as ckpt_io
-from ampkit.machinery.ranks import DistInfo
+from ampkit.machinery.process import DistInfo
 from ampkit.machinery.saving import checkpoint_state
 
 

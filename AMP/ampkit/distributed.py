@@ -25,9 +25,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimi
 
 from .machinery import checkpoint as ckpt_io
 from .machinery import resume
-from .machinery.devices import process_device
+from .machinery.process import DistInfo, process_device
 from .machinery.errors import UserError
-from .machinery.ranks import DistInfo
 from .machinery.signals import StopFlag
 
 # How long a collective may wait for a peer (a slow rank 0 writing a checkpoint, say).

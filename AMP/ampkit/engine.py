@@ -1,7 +1,6 @@
 """The epoch loop around a script's training step, and the accuracy count.
 
-A script's ``build(parts: Parts) -> Technique`` makes its variant: wrapper, optimizer,
-precision objects and the step. ``train_one_epoch`` runs the step over the epoch's
+``train_one_epoch`` runs a script's step (``ampkit.technique``) over the epoch's
 windows of micro-batches without a host sync per step: the loss sums and counters stay on
 the device and are read every ``log_every`` steps and at the epoch's end.
 """
@@ -12,72 +11,18 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import ContextManager, Iterable, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from .comm_hooks import CommHook
 from .distributed import StopVote, max_over_ranks, sum_over_ranks
 from .machinery.errors import UserError
 from .machinery.log import progress_bar
-from .machinery.ranks import DistInfo, synchronize
-from .precision import SkippedSteps, resolve_amp_dtype
-
-# One optimizer step over a window of micro-batches [(images, targets), ...] -> (its loss, the
-# gradient norm before clipping).
-Window = List[Tuple[torch.Tensor, torch.Tensor]]
-Step = Callable[[Window], Tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class Parts:
-    """What a script's ``build()`` starts from: the objects that do not depend on the variant."""
-    device: torch.device
-    model: nn.Module             # the bare network, on ``device`` (resumed weights loaded)
-    criterion: nn.Module
-    # The autocast dtype: --amp_dtype (a name or a dtype); None: float16 on CUDA, bfloat16 on
-    # the CPU. Resolved to a torch.dtype when Parts is made.
-    amp_dtype: Union[torch.dtype, str, None] = None
-    dp_scope: str = "model"               # --dp_scope (DataParallel scripts)
-    lr: float = 1e-4                      # --lr, for the script's optimizer
-    arch: str = "alexnet"                 # --arch: the network's name, for messages
-    clip_grad: Optional[float] = None     # --clip_grad: the largest gradient norm (None: any)
-    comm_hook: CommHook = field(default_factory=CommHook)  # --comm_hook (DDP scripts)
-    reduce_dtype: torch.dtype = torch.float32  # --reduce_dtype (train_FSDP_mixed.py)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.amp_dtype, torch.dtype):
-            self.amp_dtype = resolve_amp_dtype(self.amp_dtype, self.device)
-
-
-@dataclass
-class Technique:
-    """What a script's ``build()`` returns: the objects that make its variant, which the
-    shared code runs, checkpoints and logs."""
-    model: nn.Module                           # as wrapped by the script (DP, DDP, FSDP2)
-    optimizer: torch.optim.Optimizer           # made by the script, over what it trains
-    step: Step                                 # one optimizer step over a window of micro-batches
-    autocast: Optional[torch.autocast] = None  # validation runs under it too
-    scaler: Optional[torch.amp.GradScaler] = None
-    param_dtype: Optional[torch.dtype] = None  # FSDP2's MixedPrecisionPolicy: the compute dtype
-
-    @property
-    def precision(self) -> str:
-        if self.param_dtype is not None:
-            return "mixed"
-        if self.scaler is not None:
-            return "grad_scaler"
-        return "autocast" if self.autocast is not None else "fp32"
-
-    @property
-    def compute_dtype(self) -> Optional[torch.dtype]:
-        """The dtype the matmuls and convolutions run in; None: float32."""
-        if self.param_dtype is not None:
-            return self.param_dtype
-        return self.autocast.fast_dtype if self.autocast is not None else None
-
+from .machinery.process import DistInfo, synchronize
+from .precision import SkippedSteps
+from .technique import Step, Window
 
 class TrainingDiverged(UserError):
     """The loss stayed non-finite for several consecutive steps without a GradScaler."""
@@ -198,7 +143,7 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
     ``stop``: the ranks' vote, taken after every step (no host sync); when it says so, the
     epoch ends there on every rank (``EpochStats.stopped_at``). ``max_nonfinite=None``: no
     divergence check (a GradScaler skips the bad steps instead); ``skipped`` counts those
-    skips; ``profiler`` (a ``machinery.profiler.StepProfiler``) records some steps.
+    skips; ``profiler`` (a ``machinery.hardware_use.StepProfiler``) records some steps.
     ``before``: a resumed epoch's figures up to its stop, which the returned ones include."""
     device = info.device
     tally, skipped = Tally(device), skipped or SkippedSteps(None, device)

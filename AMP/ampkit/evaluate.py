@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .distributed import barrier, gather_from_ranks, local_main_first, this_process
-from .machinery.devices import single_process_device
+from .machinery.process import single_process_device
 from .engine import count_correct
 from .machinery import checkpoint as ckpt_io
 from .machinery.archs import DEFAULT_ARCH, check_arch_flags

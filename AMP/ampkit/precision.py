@@ -90,6 +90,15 @@ def set_tf32(enabled: Optional[bool]) -> str:
     return {True: "tf32", False: "fp32"}.get(enabled, "tf32 conv, fp32 matmul")
 
 
+def cuda_math(tf32: Optional[bool], device: torch.device) -> str:
+    """A run's CUDA math: ``set_tf32(tf32)``, and cuDNN picks its convolution kernels for
+    the run's fixed input size; the fp32 math's label ("" on the CPU)."""
+    if device.type != "cuda":
+        return ""
+    torch.backends.cudnn.benchmark = True
+    return set_tf32(tf32)
+
+
 def compile_in_place(model: torch.nn.Module) -> None:
     """``model.compile()`` (in place: the script's step calls the compiled model), with the
     compiled backward outside autocast, where this project's loops run the backward. By

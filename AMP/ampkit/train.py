@@ -1,21 +1,14 @@
 """What a training run stands on, and the bookkeeping around each script's own epochs.
 
-A train script builds its technique and runs its epochs in view, in the shape of DeiT's
-``main.py`` (``AMP/train_DDP.py``): ``with Run(args, device) as run``, its loader, its
-``build(run.parts)``, its LR schedule, ``run.start(t, scheduler)``, then for each of
-``run.epochs()``: ``run.begin_epoch``, ``train_one_epoch`` with its options named at the
-call, ``run.validate`` (summed over the ranks by the script), the schedule's step,
-``run.save`` and ``run.log``.
-
-:class:`Run` is the set-up and the end: device and seed, run folder and lock, logs, data,
-the network built from ``--seed``, what is resumed, signal handlers, and the last line (a
-stop: the stop's line, and ``run.status`` 128 + signal, which the script returns after its
-own teardown). :class:`EpochBook`, its base, is the bookkeeping the loop calls.
+:class:`Run` is the set-up and the end (``with Run(args, device) as run``): device and seed,
+run folder and lock, logs, data, the network from ``--seed``, the resume, signal handlers,
+and the last line (after a stop, ``run.status`` is 128 + the signal, which the script returns
+after its own teardown). :class:`EpochBook`, its base, is what the script's epoch loop calls
+(``AMP/train_DDP.py``): ``begin_epoch``, ``save`` and ``log``; validation is the script's.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from functools import partial
 from typing import Callable, Iterator, Optional
@@ -24,29 +17,26 @@ import torch
 from torch import nn
 from torch.utils.data import Sampler
 
-from .comm_hooks import CommHook, default_start_iter
 from .distributed import (StopVote, agree_on_resumed, agreed_resume_path, any_rank, barrier,
                           gather_from_ranks, load_optimizer_state, local_main_first,
                           rank_random_states, this_process)
-from .engine import EpochStats, Parts, Technique, count_correct
+from .engine import EpochStats
 from .machinery import checkpoint as ckpt_io
 from .machinery.data import build_loaders, report_skipped, take_skipped
-from .machinery.devices import single_process_device
+from .machinery.process import single_process_device
 from .machinery.errors import Interrupted, UserError
-from .machinery.flops import achieved, run_peak, training_flops_per_image
+from .machinery.hardware_use import (StepProfiler, achieved, peak_memory_mb, reset_peak_memory,
+                                     run_peak, training_flops_per_image)
 from .machinery.log import RunLogger, epoch_row, header_line, summary_line
-from .machinery.memory import peak_memory_mb, reset_peak_memory
-from .machinery.profiler import StepProfiler
-from .machinery.ranks import DistInfo, seed_streams
-from .machinery.run_folder import claim_run_dir, prepare_run_dir
+from .machinery.run_folder import claim_folders
 from .machinery.resume import Resumed, load_resume, load_states, where_it_starts
 from .machinery.saving import SavePolicy, checkpoint_state
 from .machinery.samplers import one_process_sampler
 from .machinery.signals import StopFlag, StopSignals, exit_status, stopped_line
-from .models import build_model, check_dp_scope
-from .precision import SkippedSteps, compile_in_place, set_tf32, slow_bf16
+from .precision import SkippedSteps, compile_in_place, cuda_math, slow_bf16
+from .technique import Technique, make_parts
 
-Checkpoint = Callable[[], dict]  # the script's: {"model": the unwrapped weights, ...}
+Checkpoint = Callable[[], dict]  # a script's: {"model": the unwrapped weights, ...}
 
 
 class EpochBook:
@@ -55,7 +45,7 @@ class EpochBook:
 
     def train_loader(self, sampler: Optional[Sampler[int]] = None):
         """The training batches in ``sampler``'s order (None: one process's, reshuffled
-        every epoch by :meth:`loop`)."""
+        every epoch by :meth:`begin_epoch`)."""
         if sampler is None:
             sampler = self.own_sampler = one_process_sampler(len(self.train_set),
                                                              self.args.seed, self.info.world_size)
@@ -119,20 +109,12 @@ class EpochBook:
         return StepProfiler(self.run_dir / "profile" / f"trace_rank{self.info.rank}.json",
                             self.info.device, say=self.logger.print)
 
-    def validate(self, t: Technique) -> torch.Tensor:
-        """``tensor([correct, seen])`` of this rank's shard of the validation split (every
-        rank runs as many forwards: see ``count_correct``)."""
-        return count_correct(t.model, self.data.val, self.info, t.autocast, desc="val",
-                             input_format=self.input_format, image_shape=self.image_shape)
-
     def save(self, checkpoint: Checkpoint, epochs_done: int, val_acc: Optional[float] = None,
              stopped: Optional[EpochStats] = None) -> None:
         """After ``epochs_done`` epochs: last.pth as ``--save_every`` says, best.pth at a new
-        best; then the ranks' epoch-end stop vote (a signal during validation or this save):
-        a stop is saved now, unless last.pth is this point already. ``stopped``: the
-        figures of an epoch a stop ended, saved at its step now. Every rank calls
-        ``checkpoint()`` when something is saved (FSDP2 gathers its shards there); rank 0
-        writes, in the background."""
+        best, then the epoch-end stop vote (a stop is saved now unless last.pth is this point).
+        ``stopped``: the figures of an epoch a stop ended, saved at its step. Every rank calls
+        ``checkpoint()`` (FSDP2 gathers there); rank 0 writes, in the background."""
         self.save_timing = {}
         if stopped is not None:
             step = stopped.stopped_at
@@ -199,10 +181,8 @@ class Run(EpochBook):
 
     def _set_up(self) -> None:
         args, info, device = self.args, self.info, self.info.device
-        self.fp32_math = set_tf32(args.tf32) if device.type == "cuda" else ""
-        if device.type == "cuda":
-            torch.backends.cudnn.benchmark = True  # a fixed input size: let cuDNN pick kernels
-        self.run_dir, self.lock, self.tb_dir = _folders(args, info)
+        self.fp32_math = cuda_math(args.tf32, device)  # --tf32; cuDNN's kernels picked
+        self.run_dir, self.lock, self.tb_dir = claim_folders(args, info.is_main)
         path = agreed_resume_path(args, self.run_dir, info)  # rank 0's choice, every rank's file
         with local_main_first(info):  # a download: one process per node, the others after
             self.data = build_loaders(args.dataset, args.dataset_root, args.img_size,
@@ -213,8 +193,8 @@ class Run(EpochBook):
         self.train_set = self.data.train_set  # what a DDP script's DistributedSampler draws
         self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
         self.image_shape = (3, args.img_size, args.img_size)
-        self.parts = _parts(args, info, self.data.num_classes, self.input_format,
-                            len(self.train_set))
+        self.parts = make_parts(args, info, self.data.num_classes, self.input_format,
+                                len(self.train_set))
         self.flops_per_image = training_flops_per_image(self.parts.model, self.image_shape)
         self.resumed, failed = Resumed(), None
         try:
@@ -224,9 +204,8 @@ class Run(EpochBook):
         except UserError as e:  # this rank's: every rank stops, in one line
             failed = str(e)
         agree_on_resumed(failed or self.resumed.loaded, info)
-        if path is None and args.init_from is not None:
-            init = ckpt_io.resolve(args.init_from, "--init_from")
-            ckpt_io.load_weights(self.parts.model, ckpt_io.load(init), init)
+        if path is None and args.init_from is not None:  # a new run from another's weights
+            ckpt_io.load_weights_from(self.parts.model, args.init_from, "--init_from")
         self.logger = RunLogger(info.is_main, self.tb_dir, self.run_dir / "log.jsonl",
                                 resume_epoch=self.resumed.epoch if path else None)
         self.best_acc, self.best_epoch = self.resumed.best_acc, self.resumed.best_epoch
@@ -267,9 +246,8 @@ class Run(EpochBook):
         return 0
 
     def _close(self, finished: bool) -> None:
-        """Handlers, logs and the run folder released. ``finished`` (every rank got to the
-        end): first all ranks wait for each other, so that none tears down its connections
-        while a peer still uses them. Not after a failure, when a peer may be gone."""
+        """Handlers, logs and the run folder released; ``finished`` (every rank got to the end,
+        so no peer is gone): first a barrier, so none tears down links a peer still uses."""
         if self.signals is not None:  # a rank of several ignores them as it exits, whatever
             self.signals.restore(exiting=self.info.world_size > 1)  # the end: its status stands
         if self.logger is not None:
@@ -278,39 +256,3 @@ class Run(EpochBook):
             barrier(self.info)
         if self.lock is not None:
             self.lock.release()
-
-
-def _folders(args, info: DistInfo) -> tuple:
-    """(the run folder, its lock, the TensorBoard folder): global rank 0 claims the run
-    folder (one run in it at a time) and checks the TensorBoard one, which its first write
-    creates; the other ranks write nothing."""
-    run_dir = args.checkpoint / args.variant
-    if not info.is_main:
-        return run_dir, None, None
-    lock = claim_run_dir(run_dir)
-    try:
-        tb_dir = (prepare_run_dir(args.tensorboard_log / args.variant)
-                  / time.strftime("%Y%m%d-%H%M%S")) if args.tensorboard else None
-    except BaseException:
-        lock.release()
-        raise
-    return run_dir, lock, tb_dir
-
-
-def _parts(args, info: DistInfo, num_classes: int, memory_format: torch.memory_format,
-           train_size: int) -> Parts:
-    """The network, built from ``--seed`` alone (the same initial weights on every rank, for
-    any world size; then this rank's own random streams), on the device; and the rest of
-    what a script's ``build()`` starts from (the comm hook's warm-up: from the run's steps)."""
-    torch.manual_seed(args.seed)
-    model = build_model(args.arch, num_classes, pretrained=args.pretrained)
-    seed_streams(args.seed, info.rank, info.device.type == "cuda")  # dropout: each its own
-    check_dp_scope(model, args.dp_scope, args.arch)
-    model = model.to(info.device, memory_format=memory_format)
-    steps = math.ceil(math.ceil(math.ceil(train_size / info.world_size) / args.batch_size)
-                      / args.accum_steps) * args.epochs  # a DistributedSampler's shards
-    hook = CommHook(args.comm_hook, powersgd_rank=args.powersgd_rank or 1, seed=args.seed,
-                    start_iter=args.powersgd_start_iter or default_start_iter(steps))
-    return Parts(info.device, model, nn.CrossEntropyLoss(), args.amp_dtype, args.dp_scope,
-                 lr=args.lr, arch=args.arch, clip_grad=args.clip_grad, comm_hook=hook,
-                 reduce_dtype=getattr(torch, args.reduce_dtype))

@@ -42,7 +42,7 @@ def build_parser() -> Parser:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="peak dense fp16/bf16 TFLOP/s of ONE device, for the utilisation of "
-                        "the autocast variants. Default: by GPU name (ampkit/machinery/flops.py)")
+                        "the autocast variants. Default: by GPU name (ampkit/machinery/hardware_use.py)")
     p.add_argument("--peak_tflops_fp32", type=float, default=None,
                    help="peak TFLOP/s of ONE device for the fp32 variants: the TF32 figure "
                         "unless --no-tf32, then the fp32 one. Default: by GPU name")

@@ -25,7 +25,7 @@ from ampkit.machinery.cifar import CIFAR10
 from ampkit.machinery.data import train_loader
 from ampkit.machinery.datasets import build_datasets
 from ampkit.machinery.fastdata import fast_loaders
-from ampkit.machinery.ranks import DistInfo, synchronize
+from ampkit.machinery.process import DistInfo, synchronize
 
 from .cifar_files import cifar_root, has_cifar10
 

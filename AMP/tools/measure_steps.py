@@ -9,18 +9,15 @@ variants run as a one-process group, or in torchrun's (``DDPGroup``).
   optimizer state creation, compilation, PowerSGD's plain all-reduce steps).
 - The timed ``steps``: CUDA events on a GPU (the host waits for the end), else perf_counter;
   no host sync inside that window (the loop's host read comes after the last step).
-- Peak memory (:mod:`ampkit.machinery.memory`, reset after warm-up):
-  ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU the process's peak resident
-  memory (``VmHWM``, reset through ``/proc/self/clear_refs`` where Linux allows).
-- FLOPs per step: ``machinery.flops.training_flops_per_image`` (the training scripts'
-  counter: ``FlopCounterMode`` over one forward + backward of the bare model) x batch;
+- Peak memory and FLOPs (:mod:`ampkit.machinery.hardware_use`, as in training): the peak
+  reset after warm-up; ``training_flops_per_image`` x batch per step;
   utilisation = achieved FLOP/s / (peak x devices), where the peak is the precision's
   own: ``peak_tflops`` (fp16/bf16) for the autocast variants, ``peak_tflops_fp32`` for
   the fp32 ones, whose math on CUDA is labelled (``fp32_math``: TF32 or true fp32).
 - DDP's ``comm_hook`` (``--comm_hook`` of the DDP scripts): the bytes this rank sent per
   step, counted by :class:`ampkit.comm_hooks.CommHook` over the timed steps.
 
-Traces: ``profile`` records a few more steps with :class:`ampkit.machinery.profiler.StepProfiler`.
+Traces: ``profile`` records a few more steps (``hardware_use.StepProfiler``).
 """
 from __future__ import annotations
 
@@ -40,11 +37,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ampkit.comm_hooks import CommHook
 from ampkit.distributed import StopVote, elastic_store, this_process, torchrun_env
-from ampkit.engine import Parts, train_one_epoch
-from ampkit.machinery.flops import training_flops_per_image
-from ampkit.machinery.memory import memory_kind, peak_memory_mb, reset_peak_memory
-from ampkit.machinery.profiler import StepProfiler
-from ampkit.machinery.ranks import DistInfo, synchronize
+from ampkit.engine import train_one_epoch
+from ampkit.technique import Parts
+from ampkit.machinery.hardware_use import (StepProfiler, memory_kind, peak_memory_mb,
+                                           reset_peak_memory, training_flops_per_image)
+from ampkit.machinery.process import DistInfo, synchronize
 from ampkit.machinery.signals import StopFlag
 from ampkit.models import build_model
 from ampkit.precision import SkippedSteps, compile_in_place

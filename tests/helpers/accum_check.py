@@ -28,7 +28,7 @@ import train_DDP  # noqa: E402
 import train_FSDP  # noqa: E402
 from ampkit.comm_hooks import CommHook  # noqa: E402
 from ampkit.models import build_model  # noqa: E402
-from ampkit.engine import Parts  # noqa: E402
+from ampkit.technique import Parts  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -50,10 +50,10 @@ class Faults:
     def __init__(self, fault) -> None:
         self.fault, self.counts = fault, {"loss": 0, "val": 0, "save": 0}
         self.loss, self.validate, self.state = (torch.nn.CrossEntropyLoss.forward,
-                                                ampkit.train.count_correct,
+                                                train_DDP.count_correct,
                                                 ampkit.train.checkpoint_state)
         torch.nn.CrossEntropyLoss.forward = self._counted("loss", self.loss)
-        ampkit.train.count_correct = self._counted("val", self.validate)
+        train_DDP.count_correct = self._counted("val", self.validate)
         ampkit.train.checkpoint_state = self._counted("save", self.state)
 
     def _counted(self, where, call):
@@ -66,7 +66,7 @@ class Faults:
 
     def remove(self) -> None:
         torch.nn.CrossEntropyLoss.forward = self.loss
-        ampkit.train.count_correct = self.validate
+        train_DDP.count_correct = self.validate
         ampkit.train.checkpoint_state = self.state
 
 

@@ -32,7 +32,7 @@ import train_DDP  # noqa: E402
 import train_DDP_GradScaler  # noqa: E402
 import train_FSDP_mixed  # noqa: E402
 from ampkit.comm_hooks import CommHook  # noqa: E402
-from ampkit.engine import Parts  # noqa: E402
+from ampkit.technique import Parts  # noqa: E402
 from ampkit.models import build_model  # noqa: E402
 from ampkit.precision import SkippedSteps  # noqa: E402
 

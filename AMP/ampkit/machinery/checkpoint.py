@@ -166,3 +166,10 @@ def resolve(path: Path, flag: str = "--checkpoint") -> Path:
     """A checkpoint flag's value: a file, or a folder whose newest last.pth is used."""
     path = Path(path)
     return path if path.is_file() else newest(path, flag)
+
+
+def load_weights_from(model: nn.Module, path: Path, flag: str) -> None:
+    """``flag``'s checkpoint (a file, or a folder's newest last.pth): its weights alone, into
+    the bare model (``--init_from``: a new run from another run's weights)."""
+    path = resolve(path, flag)
+    load_weights(model, load(path), path)

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from tqdm import tqdm
 
-from .memory import memory_kind
+from .hardware_use import memory_kind
 
 # Seconds between redraws of a progress bar where stderr is not a terminal (a log file,
 # SLURM's, compare.py's children): a few lines a log keeps, not one redraw per step.
@@ -134,7 +134,7 @@ def epoch_row(epoch: int, stats, counts, lr: float, epoch_seconds: float, args, 
               scaler, skipped_images: int, per_rank: List[float], reset: bool) -> Dict[str, Any]:
     """An epoch's figures, as the log line, log.jsonl and TensorBoard take them: ``stats``
     (``ampkit.engine.EpochStats``), validation's ``counts`` (correct, seen) and this epoch's
-    peak memory on every rank (``per_rank``, in MB: see ``machinery.memory``)."""
+    peak memory on every rank (``per_rank``, in MB: see ``machinery.hardware_use``)."""
     device = info.device
     row = {"epoch": epoch + 1, "train_loss": stats.loss, "val_acc": counts[0] / counts[1],
            "lr": lr, "epoch_time": epoch_seconds, "train_time": stats.seconds,

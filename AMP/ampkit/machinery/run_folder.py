@@ -70,3 +70,20 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)  # closing the file releases the lock
             self.fd = None
+
+
+def claim_folders(args, is_main: bool) -> tuple:
+    """(the run folder, its lock, the TensorBoard folder) of ``args.variant``: global rank 0
+    (``is_main``) claims the run folder (one run in it at a time) and checks the TensorBoard
+    one, which its first write creates; the other ranks write nothing (no lock, no folder)."""
+    run_dir = args.checkpoint / args.variant
+    if not is_main:
+        return run_dir, None, None
+    lock = claim_run_dir(run_dir)
+    try:
+        tb_dir = (prepare_run_dir(args.tensorboard_log / args.variant)
+                  / time.strftime("%Y%m%d-%H%M%S")) if args.tensorboard else None
+    except BaseException:
+        lock.release()
+        raise
+    return run_dir, lock, tb_dir

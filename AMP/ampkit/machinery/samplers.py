@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
-from .ranks import DistInfo, derived_seed
+from .process import DistInfo, derived_seed
 from .errors import UserError
 
 

@@ -20,9 +20,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .ranks import DistInfo
+from .process import DistInfo
 from . import checkpoint as ckpt_io
-from .checkpoint_writer import BackgroundWriter, Link, Snapshot, remove_spares
+from .background_writer import BackgroundWriter, Snapshot
+from .checkpoint_writer import Link, remove_spares
 from .run_folder import remove_stale_temps
 from .config import args_to_plain, parse_interval
 
