@@ -16,9 +16,11 @@ import sys
 import torch
 
 from ampkit.engine import count_correct, train_one_epoch
-from ampkit.technique import Parts, Technique
+from ampkit.technique import Parts, Technique, make_parts
 from ampkit.machinery.config import parse_train_args
+from ampkit.machinery.data import build_loaders
 from ampkit.machinery.errors import report_user_errors
+from ampkit.machinery.samplers import one_process_sampler
 from ampkit.train import Run
 
 
@@ -57,12 +59,19 @@ def build(parts: Parts) -> Technique:
 @report_user_errors  # a user's mistake: one line and exit status 2, never a traceback
 def main(argv=None):
     args = parse_train_args("train_DP", argv, __doc__)
-    with Run(args) as run:  # device, run folder, logs, data, the model from --seed, resume
-        loader = run.train_loader()  # one process's order, a new one every epoch
-        t = build(run.parts)  # the model as the script wraps it, its optimizer and step
+    with Run(args) as run:  # device, the run folder and its lock, the resume, the last line
+        data = build_loaders(args.dataset, args.dataset_root, args.img_size,
+                             args.batch_size, run.info, loader=args.loader,
+                             num_workers=args.num_workers, channels_last=args.channels_last,
+                             skip_bad=args.skip_bad_images)
+        sampler = one_process_sampler(len(data.train_set), seed=args.seed)  # one process's
+        loader = data.train_loader(sampler)  # its batches; resumable mid-epoch
+        parts = make_parts(args, run.info, data.num_classes, len(data.train_set))
+        run.resume(parts.model)  # the network from --seed, or a resumed run's weights
+        t = build(parts)  # the model as the script wraps it, its optimizer and step
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max",
                                                                patience=3)
-        run.start(t, scheduler)  # a resumed run's states, --compile, the header line
+        run.start(t, scheduler, data, loader, parts)  # resumed states, --compile, header
 
         def checkpoint():  # what is saved; rank 0 writes it, in the background
             # Without DataParallel's "module." prefix (the article kept it); inside
@@ -72,6 +81,7 @@ def main(argv=None):
                     "scheduler": scheduler.state_dict()}
 
         for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
+            sampler.set_epoch(epoch)  # a new order every epoch
             start_step = run.begin_epoch(epoch)  # its clock; a resumed epoch's first step
             stats = train_one_epoch(  # the script's step on every window of the epoch
                 t.step, loader, run.info, accum_steps=args.accum_steps, start_step=start_step,

@@ -17,10 +17,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
-from ampkit.distributed import GROUP_TIMEOUT, elastic_store, torchrun_env
+from ampkit.distributed import GROUP_TIMEOUT, elastic_store, local_main_first, torchrun_env
 from ampkit.engine import count_correct, train_one_epoch
-from ampkit.technique import Parts, Technique
+from ampkit.technique import Parts, Technique, make_parts
 from ampkit.machinery.config import parse_train_args
+from ampkit.machinery.data import build_loaders
 from ampkit.machinery.errors import report_user_errors
 from ampkit.models import shard_units
 from ampkit.train import Run
@@ -79,14 +80,21 @@ def main(argv=None):
                             world_size=world_size, store=elastic_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)  # None on the CPU
     try:  # the group is left on every way out: the end, a stop, an error
-        with Run(args, device) as run:  # run folder, logs, data, the model from --seed, resume
+        with Run(args, device) as run:  # the run folder and its lock, the resume, the last line
+            with local_main_first(run.info):  # a download: one process per node, then the rest
+                data = build_loaders(args.dataset, args.dataset_root, args.img_size,
+                                     args.batch_size, run.info, loader=args.loader,
+                                     num_workers=args.num_workers, channels_last=args.channels_last,
+                                     skip_bad=args.skip_bad_images)
             # Each process its own share of the data; the article's never changed its order.
-            sampler = DistributedSampler(run.train_set, shuffle=True, seed=args.seed)
-            loader = run.train_loader(sampler)
-            t = build(run.parts)  # the model as the script wraps it, its optimizer and step
+            sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
+            loader = data.train_loader(sampler)  # its batches; resumable mid-epoch
+            parts = make_parts(args, run.info, data.num_classes, len(data.train_set))
+            run.resume(parts.model)  # the network from --seed, or a resumed run's weights
+            t = build(parts)  # the model as the script wraps it, its optimizer and step
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max",
                                                                    patience=3)
-            run.start(t, scheduler)  # a resumed run's states, --compile, the header line
+            run.start(t, scheduler, data, loader, parts)  # resumed states, --compile, header
 
             full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # to rank 0's CPU
 

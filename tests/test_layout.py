@@ -33,8 +33,7 @@ def _code(name: str) -> list[str]:
 # DDP's recipe (and FSDP2's, on the same process group), in the script's own code.
 GROUP_RECIPE = {"torchrun_env(args.cuda)", "torch.cuda.set_device(device)",
                 "init_process_group(", "destroy_process_group()"}
-SAMPLER_RECIPE = {"DistributedSampler(run.train_set", "sampler.set_epoch(epoch)",
-                  "run.train_loader(sampler)"}
+SAMPLER_RECIPE = {"DistributedSampler(data.train_set", "with local_main_first(run.info):"}
 # Each train script's epoch, DeiT's shape: train, validate, schedule, save, log.
 EPOCH = ["for epoch in run.epochs():", "start_step = run.begin_epoch(epoch)",
          "t.step, loader, run.info, accum_steps=args.accum_steps, start_step=start_step,",
@@ -75,7 +74,9 @@ def _technique(name: str) -> set[str]:
     if name.startswith("train"):
         calls |= {"torch.optim.AdamW(model.parameters()", "optimizer.zero_grad(set_to_none=True)",
                   "torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer",
-                  "run.start(t, scheduler)", *EPOCH,
+                  "data = build_loaders(", "sampler.set_epoch(epoch)",
+                  "loader = data.train_loader(sampler)", "run.resume(parts.model)",
+                  "t = build(parts)", "run.start(t, scheduler, data, loader, parts)", *EPOCH,
                   "torch.nn.utils.get_total_norm(",
                   "torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)",
                   "forward_backward(x, y, len(y) / n)"}

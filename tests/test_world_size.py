@@ -300,11 +300,11 @@ def test_the_set_up_builds_one_model_and_gives_each_rank_a_stream_of_its_own():
     args = SimpleNamespace(seed=3, arch=FSDP_ARCH, pretrained=False, dp_scope="model",
                            amp_dtype=None, lr=1e-4, clip_grad=None, batch_size=16, accum_steps=1,
                        epochs=1, comm_hook="none", powersgd_rank=None, powersgd_start_iter=None,
-                       reduce_dtype="float32")
+                       reduce_dtype="float32", channels_last=False)
     weights, masks = [], []
     for rank in (0, 1, 0):
         info = DistInfo(torch.device("cpu"), rank=rank, world_size=2, distributed=True)
-        parts = make_parts(args, info, 3, torch.contiguous_format, train_size=48)
+        parts = make_parts(args, info, 3, train_size=48)
         weights.append(parts.model.state_dict())
         masks.append(F.dropout(torch.ones(256), p=0.5, training=True))
     assert all(torch.equal(w[k], weights[0][k]) for w in weights[1:] for k in weights[0])

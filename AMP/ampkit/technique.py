@@ -70,11 +70,12 @@ class Technique:
         return self.autocast.fast_dtype if self.autocast is not None else None
 
 
-def make_parts(args, info: DistInfo, num_classes: int, memory_format: torch.memory_format,
-           train_size: int) -> Parts:
+def make_parts(args, info: DistInfo, num_classes: int, train_size: int) -> Parts:
     """The network, built from ``--seed`` alone (the same initial weights on every rank, for
-    any world size; then this rank's own random streams), on the device; and the rest of
-    what a script's ``build()`` starts from (the comm hook's warm-up: from the run's steps)."""
+    any world size; then this rank's own random streams), on the device (channels_last with
+    ``--channels_last``); and the rest of what a script's ``build()`` starts from (the comm
+    hook's warm-up: from the run's steps over ``train_size`` images)."""
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     torch.manual_seed(args.seed)
     model = build_model(args.arch, num_classes, pretrained=args.pretrained)
     seed_streams(args.seed, info.rank, info.device.type == "cuda")  # dropout: each its own

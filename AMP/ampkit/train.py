@@ -1,9 +1,10 @@
-"""What a training run stands on, and the bookkeeping around each script's own epochs.
+"""What a training run stands on around the set-up each script makes in view.
 
-:class:`Run` is the set-up and the end (``with Run(args, device) as run``): device and seed,
-run folder and lock, logs, data, the network from ``--seed``, the resume, signal handlers,
-and the last line (after a stop, ``run.status`` is 128 + the signal, which the script returns
-after its own teardown). :class:`EpochBook`, its base, is what the script's epoch loop calls
+:class:`Run` (``with Run(args, device) as run``) is the run folder and its lock, the
+resume (``run.resume(model)``: before ``build()`` wraps the network), and the end: the
+last line, and after a stop ``run.status`` 128 + the signal, which the script returns after
+its own teardown. The script makes its data, sampler, loader and network itself and hands
+them to ``run.start``. :class:`EpochBook`, Run's base, is what the epoch loop calls
 (``AMP/train_DDP.py``): ``begin_epoch``, ``save`` and ``log``; validation is the script's.
 """
 from __future__ import annotations
@@ -15,26 +16,24 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import Sampler
 
 from .distributed import (StopVote, agree_on_resumed, agreed_resume_path, any_rank, barrier,
-                          gather_from_ranks, load_optimizer_state, local_main_first,
-                          rank_random_states, this_process)
+                          gather_from_ranks, load_optimizer_state, rank_random_states,
+                          this_process)
 from .engine import EpochStats
 from .machinery import checkpoint as ckpt_io
-from .machinery.data import build_loaders, report_skipped, take_skipped
-from .machinery.process import single_process_device
+from .machinery.data import Loaders, report_skipped, take_skipped
 from .machinery.errors import Interrupted, UserError
 from .machinery.hardware_use import (StepProfiler, achieved, peak_memory_mb, reset_peak_memory,
                                      run_peak, training_flops_per_image)
 from .machinery.log import RunLogger, epoch_row, header_line, summary_line
+from .machinery.process import single_process_device
 from .machinery.run_folder import claim_folders
 from .machinery.resume import Resumed, load_resume, load_states, where_it_starts
 from .machinery.saving import SavePolicy, checkpoint_state
-from .machinery.samplers import one_process_sampler
 from .machinery.signals import StopFlag, StopSignals, exit_status, stopped_line
 from .precision import SkippedSteps, compile_in_place, cuda_math, slow_bf16
-from .technique import Technique, make_parts
+from .technique import Parts, Technique
 
 Checkpoint = Callable[[], dict]  # a script's: {"model": the unwrapped weights, ...}
 
@@ -43,20 +42,17 @@ class EpochBook:
     """The bookkeeping around a script's epoch: the loop's options, validation, when to
     save, the epoch's log row. :class:`Run` sets its attributes."""
 
-    def train_loader(self, sampler: Optional[Sampler[int]] = None):
-        """The training batches in ``sampler``'s order (None: one process's, reshuffled
-        every epoch by :meth:`begin_epoch`)."""
-        if sampler is None:
-            sampler = self.own_sampler = one_process_sampler(len(self.train_set),
-                                                             self.args.seed, self.info.world_size)
-        self.loader = self.data.train_loader(sampler)
-        return self.loader
-
-    def start(self, t: Technique, scheduler) -> None:
-        """The script's technique and LR schedule, with a resumed run's states; --compile;
-        the stop vote and signal handlers; the header line."""
+    def start(self, t: Technique, scheduler, data: Loaders, loader, parts: Parts) -> None:
+        """What the script built: its technique and LR schedule (a resumed run's states
+        loaded into them), its data and training loader, its parts; --compile; the logs, the
+        save policy, the stop vote and signal handlers; the header line."""
         args, info = self.args, self.info
         self.t, self.dp = t, any(isinstance(m, nn.DataParallel) for m in t.model.modules())
+        self.data, self.loader, self.parts = data, loader, parts
+        self.logger = RunLogger(info.is_main, self.tb_dir, self.run_dir / "log.jsonl",
+                                resume_epoch=self.resumed.epoch if self.resume_path else None)
+        self.saver = SavePolicy(self.run_dir, args.save_every, args.epochs, info, self.resumed)
+        self.signals = StopSignals(self.stop, self.logger.print)
         self.logger.warn(slow_bf16(t.compute_dtype, info.device))
         hook, saved_hook = self.parts.comm_hook, self.resumed.states.get("comm_hook")
         if self.resumed.states:  # every rank: FSDP2 shards the full saved state again
@@ -84,12 +80,10 @@ class EpochBook:
                 return
 
     def begin_epoch(self, epoch: int) -> int:
-        """Start ``epoch``: one process's new order (a DDP script sets its sampler's), the
-        clock, the memory peak, ``model.train()``; the step it starts from (a resumed
-        epoch's, else 0), where the loader starts too."""
+        """Start ``epoch`` (after the script's ``sampler.set_epoch``): the clock, the memory
+        peak, ``model.train()``; the step it starts from (a resumed epoch's, else 0), where
+        the loader starts too."""
         step0 = self.resumed.step if epoch == self.resumed.epoch else 0
-        if self.own_sampler is not None:
-            self.own_sampler.set_epoch(epoch)  # a new order every epoch
         self.loader.sampler.start_index = step0 * self.args.batch_size * self.args.accum_steps
         self.epoch_start = (time.perf_counter(), self.t.optimizer.param_groups[0]["lr"],
                             reset_peak_memory(self.info.device, all_gpus=self.dp))
@@ -170,50 +164,40 @@ class Run(EpochBook):
     """What a training run stands on, from ``with`` to its end (module docstring)."""
 
     def __init__(self, args, device: Optional[torch.device] = None) -> None:
-        self.args, self.lock, self.logger, self.signals = args, None, None, None
+        self.args, self.lock, self.logger, self.signals, self.saver = args, None, None, None, None
         self.status = 1  # the exit status once the run ended: 0, or 128 + a stop's signal
         self.info = this_process(device or single_process_device(args.cuda))
+        self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
+        self.image_shape = (3, args.img_size, args.img_size)
+        self.resumed, self.stop, self.stopped_at = Resumed(), StopFlag(), None
+        self.train_seconds, self.t_start, self.save_timing = 0.0, time.perf_counter(), {}
+        self.train_flops = 0.0
         try:
-            self._set_up()
+            self.fp32_math = cuda_math(args.tf32, self.info.device)  # --tf32; cuDNN's kernels
+            self.run_dir, self.lock, self.tb_dir = claim_folders(args, self.info.is_main)
+            # rank 0's choice of the file to resume from, every rank's to read
+            self.resume_path = agreed_resume_path(args, self.run_dir, self.info)
         except BaseException:
             self._close(finished=False)
             raise
 
-    def _set_up(self) -> None:
-        args, info, device = self.args, self.info, self.info.device
-        self.fp32_math = cuda_math(args.tf32, device)  # --tf32; cuDNN's kernels picked
-        self.run_dir, self.lock, self.tb_dir = claim_folders(args, info.is_main)
-        path = agreed_resume_path(args, self.run_dir, info)  # rank 0's choice, every rank's file
-        with local_main_first(info):  # a download: one process per node, the others after
-            self.data = build_loaders(args.dataset, args.dataset_root, args.img_size,
-                                      args.batch_size, info, loader=args.loader,
-                                      num_workers=args.num_workers,
-                                      channels_last=args.channels_last,
-                                      skip_bad=args.skip_bad_images)
-        self.train_set = self.data.train_set  # what a DDP script's DistributedSampler draws
-        self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
-        self.image_shape = (3, args.img_size, args.img_size)
-        self.parts = make_parts(args, info, self.data.num_classes, self.input_format,
-                                len(self.train_set))
-        self.flops_per_image = training_flops_per_image(self.parts.model, self.image_shape)
-        self.resumed, failed = Resumed(), None
+    def resume(self, model: nn.Module) -> None:
+        """Before ``build()`` wraps the bare ``model``: a resumed run's weights, counters and
+        random streams (or ``--init_from``'s weights) loaded into it; its training FLOPs
+        per image counted (the epoch line's TFLOP/s). Every rank, together."""
+        args, info = self.args, self.info
+        self.flops_per_image = training_flops_per_image(model, self.image_shape)
+        failed = None
         try:
-            if path is not None:
-                self.resumed = load_resume(path, args, self.parts.model, device,
+            if self.resume_path is not None:
+                self.resumed = load_resume(self.resume_path, args, model, info.device,
                                            info.world_size, info.rank)
         except UserError as e:  # this rank's: every rank stops, in one line
             failed = str(e)
         agree_on_resumed(failed or self.resumed.loaded, info)
-        if path is None and args.init_from is not None:  # a new run from another's weights
-            ckpt_io.load_weights_from(self.parts.model, args.init_from, "--init_from")
-        self.logger = RunLogger(info.is_main, self.tb_dir, self.run_dir / "log.jsonl",
-                                resume_epoch=self.resumed.epoch if path else None)
+        if self.resume_path is None and args.init_from is not None:  # another run's weights
+            ckpt_io.load_weights_from(model, args.init_from, "--init_from")
         self.best_acc, self.best_epoch = self.resumed.best_acc, self.resumed.best_epoch
-        self.saver = SavePolicy(self.run_dir, args.save_every, args.epochs, info, self.resumed)
-        self.stop, self.own_sampler, self.stopped_at = StopFlag(), None, None
-        self.signals = StopSignals(self.stop, self.logger.print)
-        self.train_seconds, self.t_start, self.save_timing = 0.0, time.perf_counter(), {}
-        self.train_flops = 0.0
 
     def __enter__(self) -> "Run":
         return self
@@ -225,7 +209,8 @@ class Run(EpochBook):
                 self.status, finished = self._finish(), True
         finally:
             self._close(finished)
-        if exc_type is KeyboardInterrupt:  # a second Ctrl-C: say what was saved, and go
+        if exc_type is KeyboardInterrupt and self.saver is not None:  # a second Ctrl-C: say
+            # what was saved, and go
             raise Interrupted(*self.saver.abandon()) from None
 
     def _finish(self) -> int:
