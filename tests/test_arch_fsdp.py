@@ -13,21 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import (FSDP_ARCH, IF_VAL_SIZE, REPO_ROOT, as_a_dataparallel_replica, clean_output,
+from conftest import (FSDP_ARCH, IF_VAL_SIZE, REPO_ROOT, as_a_dataparallel_replica,
                       kill_job, parse_accuracy, PYTHON, run_main, run_script, tiny_args)
 
 CPU = torch.device("cpu")
 
 
-def _main(script: str, argv: list, capsys) -> tuple:
-    import importlib
-
-    try:
-        code = importlib.import_module(script).main([str(a) for a in argv]) or 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, [ln for ln in clean_output(err).splitlines() if ln.strip()]
+def _main(script: str, argv: list, capsys=None) -> tuple:
+    """conftest.run_main's run, its stderr as lines: (exit status, stdout, stderr lines)."""
+    code, out, err = run_main(script, *argv)
+    return code, out, [ln for ln in err.splitlines() if ln.strip()]
 
 
 # ------------------------------------------------------------------ --arch: bad input

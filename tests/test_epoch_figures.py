@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import clean_output
+from conftest import run_main
 
 CPU = torch.device("cpu")
 
@@ -19,15 +19,9 @@ def _tiny_net() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
 
 
-def _run(script: str, argv: list, capsys) -> tuple:
-    import importlib
-
-    try:
-        code = importlib.import_module(script).main([str(a) for a in argv]) or 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, clean_output(out), clean_output(err)
+def _run(script: str, argv: list, capsys=None) -> tuple:
+    """conftest.run_main's run: (exit status, stdout, stderr)."""
+    return tuple(run_main(script, *argv))
 
 
 def _args(root, ckpt, *extra) -> list:

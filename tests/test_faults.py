@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAST_ARCH, IF_TRAIN_SIZE, REPO_ROOT, clean_output, kill_job, PYTHON
+from conftest import FAST_ARCH, IF_TRAIN_SIZE, REPO_ROOT, clean_output, kill_job, PYTHON, run_main
 
 def _args(root: Path, ckpt: Path, *extra: str, dataset: str = "ImageFolder") -> list:
     """A quick in-process run on conftest.FAST_ARCH (what fails here is not the network)."""
@@ -31,16 +31,10 @@ def _args(root: Path, ckpt: Path, *extra: str, dataset: str = "ImageFolder") -> 
             "--checkpoint", str(ckpt), "--arch", FAST_ARCH, *[str(e) for e in extra]]
 
 
-def _main(script: str, argv: list, capsys) -> tuple:
-    """Run a script's main() in-process: (exit status, stdout, stderr lines)."""
-    import importlib
-
-    try:
-        code = importlib.import_module(script).main(argv) or 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, [ln for ln in clean_output(err).splitlines() if ln.strip()]
+def _main(script: str, argv: list, capsys=None) -> tuple:
+    """conftest.run_main's run, its stderr as lines: (exit status, stdout, stderr lines)."""
+    code, out, err = run_main(script, *argv)
+    return code, out, [ln for ln in err.splitlines() if ln.strip()]
 
 
 def _one_line(code, err) -> str:
@@ -532,7 +526,6 @@ def test_an_error_after_the_group_is_made_leaves_it_in_the_scripts_own_teardown(
     script's own ``finally`` has left the group: nothing else does it for the script."""
     import torch.distributed as dist
 
-    from conftest import run_main
 
     made = []
     real_init = dist.init_process_group

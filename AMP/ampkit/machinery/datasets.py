@@ -116,10 +116,11 @@ def _image_folder(root: Path, split: str, transform) -> ImageFolder:
         raise UserError(f"--dataset ImageFolder expects {folder}/ with one folder per class "
                         f"(and {root / ('val' if split == 'train' else 'train')}/ beside it)")
     try:
-        for entry in os.scandir(folder):  # os.walk, in ImageFolder, skips unreadable folders
-            if entry.is_dir():
-                with os.scandir(entry.path):
-                    pass
+        with os.scandir(folder) as entries:  # os.walk, in ImageFolder, skips unreadable ones
+            for entry in entries:
+                if entry.is_dir():
+                    with os.scandir(entry.path):
+                        pass
         return ImageFolder(str(folder), transform=transform)
     except PermissionError as e:
         raise UserError(f"{e.filename or folder}: {e.strerror} (the data set must be readable "
