@@ -19,12 +19,14 @@ from torch.utils.data import DistributedSampler
 
 from ampkit.distributed import GROUP_TIMEOUT, elastic_store, local_main_first, torchrun_env
 from ampkit.engine import count_correct, train_one_epoch
+from ampkit.precision import compile_in_place
 from ampkit.technique import Parts, Technique, make_parts
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.data import build_loaders
 from ampkit.machinery.errors import report_user_errors
+from ampkit.machinery.log import header_line
 from ampkit.models import shard_units
-from ampkit.train import Run
+from ampkit.train import EpochFigures, RunFolder, restore, resume
 
 
 def build(parts: Parts) -> Technique:
@@ -80,7 +82,7 @@ def main(argv=None):
                             world_size=world_size, store=elastic_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)  # None on the CPU
     try:  # the group is left on every way out: the end, a stop, an error
-        with Run(args, device) as run:  # the run folder and its lock, the resume, the last line
+        with RunFolder(args, device) as run:  # the run folder and its lock; the last line
             with local_main_first(run.info):  # a download: one process per node, then the rest
                 data = build_loaders(args.dataset, args.dataset_root, args.img_size,
                                      args.batch_size, run.info, loader=args.loader,
@@ -90,11 +92,18 @@ def main(argv=None):
             sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
             loader = data.train_loader(sampler)  # its batches; resumable mid-epoch
             parts = make_parts(args, run.info, data.num_classes, len(data.train_set))
-            run.resume(parts.model)  # the network from --seed, or a resumed run's weights
+            resumed = resume(run.resume_path, parts.model, args, run.info)  # its weights
             t = build(parts)  # the model as the script wraps it, its optimizer and step
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max",
                                                                    patience=3)
-            run.start(t, scheduler, data, loader, parts)  # resumed states, --compile, header
+            log = run.logger(resumed)  # rank 0 prints, writes log.jsonl and TensorBoard
+            restore(resumed, t, scheduler, parts.comm_hook, args, log)  # its saved states
+            if args.compile:
+                compile_in_place(t.model)  # torch.compile, around the wrapper
+            saver = run.saver(resumed, data.num_classes)  # last.pth, best.pth: rank 0 writes
+            vote = run.stop_vote()  # a signal: a stop, at the same step on every rank
+            figures = EpochFigures(args, run, t, parts, resumed, loaders=(loader, data.val))
+            log.print(header_line(args, run.info, t, data, run.fp32_math))  # what trains, how
 
             full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # to rank 0's CPU
 
@@ -103,26 +112,34 @@ def main(argv=None):
                         "optimizer": get_optimizer_state_dict(t.model, t.optimizer, options=full),
                         "scheduler": scheduler.state_dict(), "scaler": t.scaler.state_dict()}
 
-            for epoch in run.epochs():  # from a resumed run's epoch on; none after a stop
+            for epoch in range(resumed.epoch, args.epochs):  # from a resumed run's epoch on
                 sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
-                start_step = run.begin_epoch(epoch)  # its clock; a resumed epoch's first step
+                start_step = resumed.step_in(epoch)  # a resumed epoch's: where its stop saved
+                loader.sampler.start_index = start_step * args.batch_size * args.accum_steps
+                figures.begin_epoch()  # its clock and memory peak
+                t.model.train()  # dropout on (count_correct turns it off)
                 stats = train_one_epoch(  # the script's step on every window of the epoch
                     t.step, loader, run.info, accum_steps=args.accum_steps, start_step=start_step,
-                    before=run.so_far(epoch), stop=run.vote, skipped=run.skipped,
+                    before=resumed.so_far_in(epoch), stop=vote, skipped=figures.skipped,
                     max_nonfinite=None,  # the scaler skips inf/NaN steps
                     log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
-                    input_format=run.input_format, profiler=run.profiler(epoch))
+                    input_format=data.input_format, profiler=figures.profiler(epoch))
                 if stats.stopped_at is not None:  # a signal: every rank stopped at this step
-                    run.save(checkpoint, epoch, stopped=stats)  # at that step, the epoch so far
+                    saver.save_stop(checkpoint, epoch, stopped=stats)  # at that step, its figures
                     break
                 counts = count_correct(  # tensor([correct, seen]) of this rank's shard
-                    t.model, run.data.val, run.info, t.autocast, desc="val",
-                    input_format=run.input_format, image_shape=run.image_shape)
+                    t.model, data.val, run.info, t.autocast, desc="val",
+                    input_format=data.input_format, image_shape=data.image_shape)
                 dist.all_reduce(counts)  # summed: exact (the article divided each rank's own count)
                 correct, seen = counts.tolist()
                 scheduler.step(correct / seen)  # on validation accuracy (mode="max")
-                run.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
-                run.log(epoch, stats, (correct, seen))  # the epoch's line, log.jsonl, TensorBoard
+                saver.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
+                log.epoch(figures.row(epoch, stats, (correct, seen)) | saver.timing, args.epochs,
+                          (correct, seen))  # its line, log.jsonl, TensorBoard; row: every rank
+                if vote.now():  # every rank: a signal during validation, the save or the log
+                    saver.save_stop(checkpoint, epoch + 1)  # unless last.pth is this point
+                    break
+            run.end(figures)  # the last save written; the summary, or where a stop saved
     finally:
         dist.destroy_process_group()  # leave the group (the article never did)
     return run.status  # 0, or 128 + the signal after a stop

@@ -299,8 +299,8 @@ def test_the_set_up_builds_one_model_and_gives_each_rank_a_stream_of_its_own():
 
     args = SimpleNamespace(seed=3, arch=FSDP_ARCH, pretrained=False, dp_scope="model",
                            amp_dtype=None, lr=1e-4, clip_grad=None, batch_size=16, accum_steps=1,
-                       epochs=1, comm_hook="none", powersgd_rank=None, powersgd_start_iter=None,
-                       reduce_dtype="float32", channels_last=False)
+                           epochs=1, comm_hook="none", powersgd_rank=None, powersgd_start_iter=None,
+                           reduce_dtype="float32", channels_last=False, img_size=32)
     weights, masks = [], []
     for rank in (0, 1, 0):
         info = DistInfo(torch.device("cpu"), rank=rank, world_size=2, distributed=True)

@@ -137,7 +137,7 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
                     stop: Optional[StopVote] = None, skipped: Optional[SkippedSteps] = None,
                     input_format: torch.memory_format = torch.preserve_format,
                     profiler=None, accum_steps: int = 1,
-                    before: Optional[EpochStats] = None) -> EpochStats:
+                    before: Optional[dict] = None) -> EpochStats:
     """Run ``step_fn`` on every window of ``accum_steps`` batches of ``loader``: one optimizer
     step each. ``start_step``, ``log_every`` and the progress bar count optimizer steps.
     ``stop``: the ranks' vote, taken after every step (no host sync); when it says so, the
@@ -175,7 +175,8 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
         stopped_at = step
     return _epoch_stats(tally, skipped, info, max_nonfinite, step, t0,
                         dict(steps=steps_done, stopped_at=stopped_at,
-                             data_seconds=data_seconds)).after(before)
+                             data_seconds=data_seconds)).after(
+                                 EpochStats(**before) if before else None)
 
 
 def _epoch_stats(tally: Tally, skipped: SkippedSteps, info: DistInfo,

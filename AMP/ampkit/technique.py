@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .comm_hooks import CommHook, default_start_iter
+from .machinery.hardware_use import training_flops_per_image
 from .machinery.process import DistInfo, seed_streams
 from .models import build_model, check_dp_scope
 from .precision import resolve_amp_dtype
@@ -37,6 +38,7 @@ class Parts:
     clip_grad: Optional[float] = None     # --clip_grad: the largest gradient norm (None: any)
     comm_hook: CommHook = field(default_factory=CommHook)  # --comm_hook (DDP scripts)
     reduce_dtype: torch.dtype = torch.float32  # --reduce_dtype (train_FSDP_mixed.py)
+    flops_per_image: float = 0.0  # a training step's, per image (the TFLOP/s figures)
 
     def __post_init__(self) -> None:
         if not isinstance(self.amp_dtype, torch.dtype):
@@ -74,7 +76,8 @@ def make_parts(args, info: DistInfo, num_classes: int, train_size: int) -> Parts
     """The network, built from ``--seed`` alone (the same initial weights on every rank, for
     any world size; then this rank's own random streams), on the device (channels_last with
     ``--channels_last``); and the rest of what a script's ``build()`` starts from (the comm
-    hook's warm-up: from the run's steps over ``train_size`` images)."""
+    hook's warm-up: from the run's steps over ``train_size`` images); the FLOPs of a
+    training step per image, counted on the meta device (the model is left as it was)."""
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     torch.manual_seed(args.seed)
     model = build_model(args.arch, num_classes, pretrained=args.pretrained)
@@ -87,4 +90,5 @@ def make_parts(args, info: DistInfo, num_classes: int, train_size: int) -> Parts
                     start_iter=args.powersgd_start_iter or default_start_iter(steps))
     return Parts(info.device, model, nn.CrossEntropyLoss(), args.amp_dtype, args.dp_scope,
                  lr=args.lr, arch=args.arch, clip_grad=args.clip_grad, comm_hook=hook,
-                 reduce_dtype=getattr(torch, args.reduce_dtype))
+                 reduce_dtype=getattr(torch, args.reduce_dtype),
+                 flops_per_image=training_flops_per_image(model, (3, args.img_size, args.img_size)))

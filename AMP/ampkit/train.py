@@ -1,18 +1,26 @@
-"""What a training run stands on around the set-up each script makes in view.
+"""What a training run stands on, in the calls each script makes in view (``AMP/train_DDP.py``).
 
-:class:`Run` (``with Run(args, device) as run``) is the run folder and its lock, the
-resume (``run.resume(model)``: before ``build()`` wraps the network), and the end: the
-last line, and after a stop ``run.status`` 128 + the signal, which the script returns after
-its own teardown. The script makes its data, sampler, loader and network itself and hands
-them to ``run.start``. :class:`EpochBook`, Run's base, is what the epoch loop calls
-(``AMP/train_DDP.py``): ``begin_epoch``, ``save`` and ``log``; validation is the script's.
+- :class:`RunFolder` (``with RunFolder(args, device) as run``): the run folder and its
+  lock, the checkpoint to resume, what the run keeps there (``run.logger``, ``run.saver``,
+  closed with it), the stop vote (``run.stop_vote``: its signal handlers restored with it),
+  and the run's last line (``run.end``); ``run.status``: 0, or 128 + a stop's signal.
+- :func:`resume` (before ``build()`` wraps the network) and :func:`restore` (after it): a
+  resumed run's weights and random streams, then its optimizer, schedule, scaler and comm
+  hook states.
+- :class:`Saver`: last.pth as ``--save_every`` says, best.pth at a new best, a stop's save.
+- :class:`EpochFigures`: an epoch's clock, memory peak and TFLOP/s; its log row.
+
+Every rank calls every function and method here, in the same order: the resume's agreement,
+the save's time and random streams, the row's peaks are collectives. What rank 0 alone does
+(print, write) is the logger's and the background writer's.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 from functools import partial
-from typing import Callable, Iterator, Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -22,112 +30,164 @@ from .distributed import (StopVote, agree_on_resumed, agreed_resume_path, any_ra
                           this_process)
 from .engine import EpochStats
 from .machinery import checkpoint as ckpt_io
-from .machinery.data import Loaders, report_skipped, take_skipped
+from .machinery.data import report_skipped, take_skipped
 from .machinery.errors import Interrupted, UserError
 from .machinery.hardware_use import (StepProfiler, achieved, peak_memory_mb, reset_peak_memory,
-                                     run_peak, training_flops_per_image)
-from .machinery.log import RunLogger, epoch_row, header_line, summary_line
-from .machinery.process import single_process_device
+                                     run_peak)
+from .machinery.log import RunLogger, epoch_row, summary_line
+from .machinery.process import DistInfo, single_process_device
 from .machinery.run_folder import claim_folders
 from .machinery.resume import Resumed, load_resume, load_states, where_it_starts
 from .machinery.saving import SavePolicy, checkpoint_state
 from .machinery.signals import StopFlag, StopSignals, exit_status, stopped_line
-from .precision import SkippedSteps, compile_in_place, cuda_math, slow_bf16
+from .precision import SkippedSteps, cuda_math, slow_bf16
 from .technique import Parts, Technique
 
 Checkpoint = Callable[[], dict]  # a script's: {"model": the unwrapped weights, ...}
 
 
-class EpochBook:
-    """The bookkeeping around a script's epoch: the loop's options, validation, when to
-    save, the epoch's log row. :class:`Run` sets its attributes."""
+class RunFolder:
+    """The run folder and the run's last line (module docstring)."""
 
-    def start(self, t: Technique, scheduler, data: Loaders, loader, parts: Parts) -> None:
-        """What the script built: its technique and LR schedule (a resumed run's states
-        loaded into them), its data and training loader, its parts; --compile; the logs, the
-        save policy, the stop vote and signal handlers; the header line."""
-        args, info = self.args, self.info
-        self.t, self.dp = t, any(isinstance(m, nn.DataParallel) for m in t.model.modules())
-        self.data, self.loader, self.parts = data, loader, parts
-        self.logger = RunLogger(info.is_main, self.tb_dir, self.run_dir / "log.jsonl",
-                                resume_epoch=self.resumed.epoch if self.resume_path else None)
-        self.saver = SavePolicy(self.run_dir, args.save_every, args.epochs, info, self.resumed)
-        self.signals = StopSignals(self.stop, self.logger.print)
-        self.logger.warn(slow_bf16(t.compute_dtype, info.device))
-        hook, saved_hook = self.parts.comm_hook, self.resumed.states.get("comm_hook")
-        if self.resumed.states:  # every rank: FSDP2 shards the full saved state again
-            load_optimizer_state(t.optimizer, self.resumed.states["optimizer"], t.model)
-        changed = load_states(self.resumed, t, scheduler, args)  # the schedule's, the scaler's
-        if self.resumed.path is not None:  # PowerSGD's step count; what restarts, in words
-            changed = "\n".join(filter(None, [changed, hook.load_state_dict(saved_hook)]))
-        self.logger.warn(hook.caveat(info.world_size, t.scaler))
-        if args.compile:
-            compile_in_place(t.model)
-        self.logger.print(where_it_starts(self.resumed, args, changed))
-        self.skipped, self.vote = SkippedSteps(t.scaler, info.device), StopVote(self.stop, info)
-        self.peak, note = run_peak(args.peak_tflops, info.device, t.compute_dtype, self.fp32_math)
-        self.logger.warn(note)
-        gpus = torch.cuda.device_count() if self.dp and info.device.type == "cuda" else 1
-        self.devices = info.world_size * gpus  # what the peak is multiplied by
-        self.signals.install()
-        self.logger.print(header_line(args, info, t, self.data, self.fp32_math))
+    def __init__(self, args, device: Optional[torch.device] = None) -> None:
+        self.args, self.status, self.t_start, self.lock = args, 1, time.perf_counter(), None
+        self.log: Optional[RunLogger] = None  # run.logger()'s
+        self._saver = self._signals = self._vote = None
+        self.info = this_process(device or single_process_device(args.cuda))
+        try:
+            self.fp32_math = cuda_math(args.tf32, self.info.device)  # --tf32; cuDNN's kernels
+            self.dir, self.lock, self.tb_dir = claim_folders(args, self.info.is_main)
+            # rank 0's choice of the file to resume from, every rank's to read
+            self.resume_path = agreed_resume_path(args, self.dir, self.info)
+        except BaseException:
+            self._close(finished=False)
+            raise
 
-    def epochs(self) -> Iterator[int]:
-        """The epochs left to train, from the resumed one on; none after a stop."""
-        for epoch in range(self.resumed.epoch, self.args.epochs):
-            yield epoch
-            if self.stopped_at is not None:
-                return
+    def logger(self, resumed: Resumed) -> RunLogger:
+        """Rank 0's lines, log.jsonl and TensorBoard scalars (a resumed run's after its epoch)."""
+        self.log = RunLogger(self.info.is_main, self.tb_dir, self.dir / "log.jsonl",
+                              resume_epoch=resumed.epoch if resumed.path else None)
+        return self.log
 
-    def begin_epoch(self, epoch: int) -> int:
-        """Start ``epoch`` (after the script's ``sampler.set_epoch``): the clock, the memory
-        peak, ``model.train()``; the step it starts from (a resumed epoch's, else 0), where
-        the loader starts too."""
-        step0 = self.resumed.step if epoch == self.resumed.epoch else 0
-        self.loader.sampler.start_index = step0 * self.args.batch_size * self.args.accum_steps
-        self.epoch_start = (time.perf_counter(), self.t.optimizer.param_groups[0]["lr"],
-                            reset_peak_memory(self.info.device, all_gpus=self.dp))
-        self.t.model.train()
-        self.parts.comm_hook.reset_counts()  # the epoch's bytes on the wire
-        return step0
+    def saver(self, resumed: Resumed, num_classes: int) -> "Saver":
+        self._saver = Saver(self.dir, self.args, self.info, resumed, num_classes)
+        return self._saver
 
-    def so_far(self, epoch: int) -> Optional[EpochStats]:
-        """A resumed epoch's figures up to the stop (None: the epoch starts here)."""
-        so_far = self.resumed.so_far if epoch == self.resumed.epoch else None
-        return EpochStats(**so_far) if so_far else None
+    def stop_vote(self) -> StopVote:
+        """From now on SIGTERM, SIGINT and SIGUSR1 ask for a stop, which the vote makes at the
+        same step on every rank (machinery/signals.py says the rule)."""
+        flag = StopFlag()
+        self._signals, self._vote = StopSignals(flag, self.log.print), StopVote(flag, self.info)
+        self._signals.install()
+        return self._vote
 
-    def profiler(self, epoch: int) -> Optional[StepProfiler]:
-        """--profile: a recorder of the run's first epoch's first steps (else None)."""
-        if not self.args.profile or epoch != self.resumed.epoch:
-            return None
-        return StepProfiler(self.run_dir / "profile" / f"trace_rank{self.info.rank}.json",
-                            self.info.device, say=self.logger.print)
+    def end(self, figures: "EpochFigures") -> None:
+        """After the epochs: the last save written, the run's last vote (a signal during the
+        last epoch's end), then the last line: the summary, or where a stop saved."""
+        args, saver, vote = self.args, self._saver, self._vote
+        if saver.stopped_at is None and saver.resumed.epoch < args.epochs:
+            saver.policy.finish()  # the last save, which may still be in flight
+            if vote.now():
+                saver.stopped_at = (args.epochs, 0)
+            self.log.print(summary_line(args, time.perf_counter() - self.t_start,
+                                         figures.train_seconds, saver.best_acc, saver.best_epoch,
+                                         self.dir, self.tb_dir, figures.mean()))
+        self.status = 0
+        if saver.stopped_at is not None:
+            self.log.print(stopped_line(vote.flag, *saver.stopped_at, self.dir / ckpt_io.LAST,
+                                         args.epochs))
+            self.status = exit_status(vote.flag.agreed)
 
-    def save(self, checkpoint: Checkpoint, epochs_done: int, val_acc: Optional[float] = None,
-             stopped: Optional[EpochStats] = None) -> None:
-        """After ``epochs_done`` epochs: last.pth as ``--save_every`` says, best.pth at a new
-        best, then the epoch-end stop vote (a stop is saved now unless last.pth is this point).
-        ``stopped``: the figures of an epoch a stop ended, saved at its step. Every rank calls
-        ``checkpoint()`` (FSDP2 gathers there); rank 0 writes, in the background."""
-        self.save_timing = {}
-        if stopped is not None:
-            step = stopped.stopped_at
-            self.saver.save(partial(self._state, checkpoint, epochs_done, step, None, stopped),
-                            epochs_done, is_best=False, now=True, step=step)
-            self.stopped_at = (epochs_done, step)
-            return
+    def __enter__(self) -> "RunFolder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._close(finished=exc_type is None)
+        if exc_type is KeyboardInterrupt and self._saver is not None:  # a second Ctrl-C: say
+            raise Interrupted(*self._saver.policy.abandon()) from None  # what was saved; go
+
+    def _close(self, finished: bool) -> None:
+        """Handlers, logs and the folder released; ``finished`` (every rank got to the end, so
+        no peer is gone): first a barrier, so that none tears down links a peer still uses."""
+        if self._signals is not None:  # a rank of several ignores them as it exits, whatever
+            self._signals.restore(exiting=self.info.world_size > 1)  # the end: its status stands
+        if self.log is not None:
+            self.log.close()
+        if finished:
+            barrier(self.info)
+        if self.lock is not None:
+            self.lock.release()
+
+
+def resume(path: Optional[Path], model: nn.Module, args, info: DistInfo) -> Resumed:
+    """Before ``build()`` wraps the bare ``model``: the weights of the checkpoint at ``path``
+    (None: a new run; then ``--init_from``'s, if given) loaded into it, and this rank's random
+    streams as they were saved; where the run starts. Every rank together: each must have
+    read the same bytes, or every rank stops with one line."""
+    resumed, failed = Resumed(), None
+    try:
+        if path is not None:
+            resumed = load_resume(path, args, model, info.device, info.world_size, info.rank)
+    except UserError as e:  # this rank's: every rank stops, in one line
+        failed = str(e)
+    agree_on_resumed(failed or resumed.loaded, info)
+    if path is None and args.init_from is not None:  # another run's weights
+        ckpt_io.load_weights_from(model, args.init_from, "--init_from")
+    return resumed
+
+
+def restore(resumed: Resumed, t: Technique, scheduler, comm_hook, args, log: RunLogger) -> None:
+    """After ``build()``: a resumed run's optimizer (FSDP2: sharded again), LR schedule,
+    GradScaler and comm hook states loaded into the objects the script made; where the run
+    starts and what it changes against the checkpoint's run, said."""
+    saved_hook = resumed.states.get("comm_hook")
+    if resumed.states:
+        load_optimizer_state(t.optimizer, resumed.states["optimizer"], t.model)
+    changed = load_states(resumed, t, scheduler, args)  # the schedule's, the scaler's
+    if resumed.path is not None:  # PowerSGD's step count; what restarts, in words
+        changed = "\n".join(filter(None, [changed, comm_hook.load_state_dict(saved_hook)]))
+    log.print(where_it_starts(resumed, args, changed))
+
+
+class Saver:
+    """When to write last.pth and best.pth (``machinery.saving.SavePolicy``), the best
+    validation accuracy so far, and a stop's save. ``checkpoint()`` is the script's; every
+    rank calls it (FSDP2 gathers there), then every rank's random streams are gathered;
+    rank 0 writes, in the background."""
+
+    def __init__(self, run_dir: Path, args, info: DistInfo, resumed: Resumed,
+                 num_classes: int) -> None:
+        self.args, self.info, self.resumed, self.num_classes = args, info, resumed, num_classes
+        self.policy = SavePolicy(run_dir, args.save_every, args.epochs, info, resumed)
+        self.best_acc, self.best_epoch = resumed.best_acc, resumed.best_epoch
+        self.val_acc: Optional[float] = None  # the last epoch's
+        self.timing: dict = {}  # the last save's, for its epoch's row
+        self.stopped_at: Optional[tuple] = None  # (epochs done, step) where a stop saved
+
+    def save(self, checkpoint: Checkpoint, epochs_done: int, val_acc: float) -> None:
+        """After ``epochs_done`` epochs: last.pth as ``--save_every`` says (its time: on any
+        rank's clock), best.pth at a new best."""
+        self.val_acc = val_acc
         if val_acc > self.best_acc:
             self.best_acc, self.best_epoch = val_acc, epochs_done
-        state = partial(self._state, checkpoint, epochs_done, 0, val_acc, None)
-        time_up = any_rank(self.saver.time_up_here(), self.info)  # --save_every 30m, say
-        self.save_timing = self.saver.save(state, epochs_done, time_up=time_up,
-                                           is_best=self.best_epoch == epochs_done)
-        if self.vote.now():  # every rank, after every epoch's save
-            if self.saver.last_saved == (epochs_done, 0):
-                self.saver.wait()  # the save just made is the stop's
-            else:
-                self.saver.save(state, epochs_done, is_best=False, now=True)
-            self.stopped_at = (epochs_done, 0)
+        time_up = any_rank(self.policy.time_up_here(), self.info)  # --save_every 30m, say
+        self.timing = self.policy.save(
+            partial(self._state, checkpoint, epochs_done, 0, val_acc, None), epochs_done,
+            time_up=time_up, is_best=self.best_epoch == epochs_done)
+
+    def save_stop(self, checkpoint: Checkpoint, epochs_done: int,
+                  stopped: Optional[EpochStats] = None) -> None:
+        """A stop's last.pth, written before the run goes on to its end: at the step where
+        ``stopped`` (the figures of the epoch it ended, saved with it) stopped, else after
+        ``epochs_done`` epochs (nothing more written if last.pth is that point already)."""
+        step = stopped.stopped_at if stopped is not None else 0
+        self.stopped_at, self.timing = (epochs_done, step), {}
+        if stopped is None and self.policy.last_saved == (epochs_done, 0):
+            self.policy.wait()  # the save just made is the stop's
+            return
+        val_acc = None if stopped is not None else self.val_acc
+        self.policy.save(partial(self._state, checkpoint, epochs_done, step, val_acc, stopped),
+                         epochs_done, is_best=False, now=True, step=step)
 
     def _state(self, checkpoint: Checkpoint, epoch: int, step: int, val_acc: Optional[float],
                stopped: Optional[EpochStats], resume: bool) -> dict:
@@ -137,107 +197,64 @@ class EpochBook:
             counters["epoch_so_far"] = dataclasses.asdict(stopped)
         saved = checkpoint()  # every rank (FSDP2 gathers), then every rank's streams:
         streams = rank_random_states(self.info) if resume else None  # both collectives
-        return checkpoint_state(saved, self.args, self.info, counters, self.data.num_classes,
+        return checkpoint_state(saved, self.args, self.info, counters, self.num_classes,
                                 streams)
 
-    def log(self, epoch: int, stats: EpochStats, counts) -> None:
-        """The epoch's line (rank 0), its row in log.jsonl, its TensorBoard scalars."""
-        before = self.so_far(epoch)  # a resumed epoch's part before its stop
-        seconds_before, images_before = (before.seconds, before.images) if before else (0.0, 0)
+
+class EpochFigures:
+    """An epoch's figures for its row, and the run's for the summary: the clock, the learning
+    rate, the memory peak (reset at the epoch's start), the steps a GradScaler skipped,
+    TFLOP/s against the device's peak, the bytes on the wire; --profile's recorder. What
+    would make them mean less than they say (bf16 emulated on this CPU, no known peak, a comm
+    hook with nothing to send) is said once, here."""
+
+    def __init__(self, args, run: RunFolder, t: Technique, parts: Parts, resumed: Resumed,
+                 loaders: tuple) -> None:
+        info, log = run.info, run.log
+        self.args, self.info, self.t, self.parts, self.resumed = args, info, t, parts, resumed
+        self.loaders, self.log, self.profile_dir = loaders, log, run.dir / "profile"
+        self.dp = any(isinstance(m, nn.DataParallel) for m in t.model.modules())
+        self.skipped = SkippedSteps(t.scaler, info.device)  # train_one_epoch counts them
+        log.warn(slow_bf16(t.compute_dtype, info.device))
+        log.warn(parts.comm_hook.caveat(info.world_size, t.scaler))
+        self.peak, note = run_peak(args.peak_tflops, info.device, t.compute_dtype, run.fp32_math)
+        log.warn(note)
+        gpus = torch.cuda.device_count() if self.dp and info.device.type == "cuda" else 1
+        self.devices = info.world_size * gpus  # what the peak is multiplied by
+        self.train_seconds, self.train_flops, self.start = 0.0, 0.0, None
+
+    def begin_epoch(self) -> None:
+        """The epoch's clock and learning rate; its memory peak and wire bytes from zero."""
+        self.start = (time.perf_counter(), self.t.optimizer.param_groups[0]["lr"],
+                      reset_peak_memory(self.info.device, all_gpus=self.dp))
+        self.parts.comm_hook.reset_counts()
+
+    def profiler(self, epoch: int) -> Optional[StepProfiler]:
+        """--profile: a recorder of this run's first epoch's first steps (else None)."""
+        if not self.args.profile or epoch != self.resumed.epoch:
+            return None
+        return StepProfiler(self.profile_dir / f"trace_rank{self.info.rank}.json",
+                            self.info.device, say=self.log.print)
+
+    def row(self, epoch: int, stats: EpochStats, counts: tuple) -> dict:
+        """The epoch's row for ``RunLogger.epoch``; every rank's peak memory (and, with
+        --skip_bad_images, the images each left out) gathered: every rank calls it."""
+        before = self.resumed.so_far_in(epoch) or {}  # a resumed epoch's part before its stop
+        seconds_before, images_before = before.get("seconds", 0.0), before.get("images", 0)
         self.train_seconds += stats.seconds - seconds_before  # this process's own
-        self.train_flops += (stats.images - images_before) * self.flops_per_image
-        t0, lr, reset = self.epoch_start
-        skipped = (report_skipped(self.logger, gather_from_ranks(
-            take_skipped(self.loader, self.data.val), self.info))
-            if self.args.skip_bad_images else 0)
+        self.train_flops += (stats.images - images_before) * self.parts.flops_per_image
+        t0, lr, reset = self.start
+        skipped = (report_skipped(self.log, gather_from_ranks(take_skipped(*self.loaders),
+                                                              self.info))
+                   if self.args.skip_bad_images else 0)
         seconds = time.perf_counter() - t0 + seconds_before
         peaks = gather_from_ranks([round(peak_memory_mb(self.info.device, all_gpus=self.dp), 1)],
                                   self.info)  # every rank's peak this epoch
         row = epoch_row(epoch, stats, [int(c) for c in counts], lr, seconds,
                         self.args, self.info, self.t.scaler, skipped, peaks, reset)
-        row |= achieved(stats.images * self.flops_per_image, stats.seconds, self.peak,
-                        self.devices) | self.parts.comm_hook.per_step()
-        self.logger.epoch(row | self.save_timing, self.args.epochs, counts)
+        return row | achieved(stats.images * self.parts.flops_per_image, stats.seconds,
+                              self.peak, self.devices) | self.parts.comm_hook.per_step()
 
-
-class Run(EpochBook):
-    """What a training run stands on, from ``with`` to its end (module docstring)."""
-
-    def __init__(self, args, device: Optional[torch.device] = None) -> None:
-        self.args, self.lock, self.logger, self.signals, self.saver = args, None, None, None, None
-        self.status = 1  # the exit status once the run ended: 0, or 128 + a stop's signal
-        self.info = this_process(device or single_process_device(args.cuda))
-        self.input_format = torch.channels_last if args.channels_last else torch.contiguous_format
-        self.image_shape = (3, args.img_size, args.img_size)
-        self.resumed, self.stop, self.stopped_at = Resumed(), StopFlag(), None
-        self.train_seconds, self.t_start, self.save_timing = 0.0, time.perf_counter(), {}
-        self.train_flops = 0.0
-        try:
-            self.fp32_math = cuda_math(args.tf32, self.info.device)  # --tf32; cuDNN's kernels
-            self.run_dir, self.lock, self.tb_dir = claim_folders(args, self.info.is_main)
-            # rank 0's choice of the file to resume from, every rank's to read
-            self.resume_path = agreed_resume_path(args, self.run_dir, self.info)
-        except BaseException:
-            self._close(finished=False)
-            raise
-
-    def resume(self, model: nn.Module) -> None:
-        """Before ``build()`` wraps the bare ``model``: a resumed run's weights, counters and
-        random streams (or ``--init_from``'s weights) loaded into it; its training FLOPs
-        per image counted (the epoch line's TFLOP/s). Every rank, together."""
-        args, info = self.args, self.info
-        self.flops_per_image = training_flops_per_image(model, self.image_shape)
-        failed = None
-        try:
-            if self.resume_path is not None:
-                self.resumed = load_resume(self.resume_path, args, model, info.device,
-                                           info.world_size, info.rank)
-        except UserError as e:  # this rank's: every rank stops, in one line
-            failed = str(e)
-        agree_on_resumed(failed or self.resumed.loaded, info)
-        if self.resume_path is None and args.init_from is not None:  # another run's weights
-            ckpt_io.load_weights_from(model, args.init_from, "--init_from")
-        self.best_acc, self.best_epoch = self.resumed.best_acc, self.resumed.best_epoch
-
-    def __enter__(self) -> "Run":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        finished = False
-        try:
-            if exc_type is None:
-                self.status, finished = self._finish(), True
-        finally:
-            self._close(finished)
-        if exc_type is KeyboardInterrupt and self.saver is not None:  # a second Ctrl-C: say
-            # what was saved, and go
-            raise Interrupted(*self.saver.abandon()) from None
-
-    def _finish(self) -> int:
-        """The run's last lines; the exit status (a stop: 128 + its signal)."""
-        trained = self.resumed.epoch < self.args.epochs
-        if self.stopped_at is None and trained:
-            self.saver.finish()  # the last save, which may still be in flight
-            if self.vote.now():  # the run's last vote: a signal during the last epoch's end
-                self.stopped_at = (self.args.epochs, 0)
-            mean = achieved(self.train_flops, self.train_seconds, self.peak, self.devices)
-            self.logger.print(summary_line(self.args, time.perf_counter() - self.t_start,
-                                           self.train_seconds, self.best_acc, self.best_epoch,
-                                           self.run_dir, self.tb_dir, mean))
-        if self.stopped_at is not None:
-            self.logger.print(stopped_line(self.stop, *self.stopped_at,
-                                           self.run_dir / ckpt_io.LAST, self.args.epochs))
-            return exit_status(self.stop.agreed)
-        return 0
-
-    def _close(self, finished: bool) -> None:
-        """Handlers, logs and the run folder released; ``finished`` (every rank got to the end,
-        so no peer is gone): first a barrier, so none tears down links a peer still uses."""
-        if self.signals is not None:  # a rank of several ignores them as it exits, whatever
-            self.signals.restore(exiting=self.info.world_size > 1)  # the end: its status stands
-        if self.logger is not None:
-            self.logger.close()
-        if finished:
-            barrier(self.info)
-        if self.lock is not None:
-            self.lock.release()
+    def mean(self) -> dict:
+        """The run's achieved TFLOP/s over its training time (and share of the peak)."""
+        return achieved(self.train_flops, self.train_seconds, self.peak, self.devices)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, List, Optional, Sized
+from typing import Callable, Iterable, Iterator, List, Optional, Sized, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -96,6 +96,8 @@ class Loaders:
     val_size: int
     kind: str                  # "fast" or "classic"
     make_train: Optional[Callable[[Sampler[int]], Iterable]] = None
+    input_format: torch.memory_format = torch.contiguous_format  # channels_last, --channels_last
+    image_shape: Tuple[int, ...] = ()  # (3, --img_size, --img_size): a blank image's shape
 
     def train_loader(self, sampler: Sampler[int]) -> Iterable:
         """The training batches, in ``sampler``'s order; ``.sampler.start_index`` resumes."""
@@ -127,7 +129,9 @@ def build_loaders(name: str, root: Path, img_size: int, batch_size: int, info: D
     if train and num_classes < 2:
         raise UserError(f"{root}: {num_classes} class: a classifier needs at least 2 classes "
                         "(one folder per class under train/ and val/)")
-    return Loaders(train_set, val_dl, num_classes, sizes[0], sizes[1], kind, make_train)
+    return Loaders(train_set, val_dl, num_classes, sizes[0], sizes[1], kind, make_train,
+                   torch.channels_last if channels_last else torch.contiguous_format,
+                   (3, img_size, img_size))
 
 
 def take_skipped(*loaders: Iterable) -> List[Unreadable]:

@@ -138,6 +138,14 @@ class Resumed:
             return None
         return {"epoch": self.epoch, "step": self.step, "identity": self.identity}
 
+    def step_in(self, epoch: int) -> int:
+        """The step ``epoch`` starts from: a resumed epoch's, where its stop saved; else 0."""
+        return self.step if epoch == self.epoch else 0
+
+    def so_far_in(self, epoch: int) -> Optional[Dict[str, Any]]:
+        """A resumed epoch's figures up to its stop (None: ``epoch`` starts afresh)."""
+        return self.so_far if epoch == self.epoch else None
+
 
 def load_resume(path: Path, args, model: nn.Module, device: torch.device,
                 world_size: int, rank: int) -> Resumed:
