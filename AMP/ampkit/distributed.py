@@ -21,7 +21,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from .machinery import checkpoint as ckpt_io
 from .machinery import resume
@@ -180,6 +179,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]
     optimizer handles inf/NaN itself (fused), and the foreach path then asserts."""
     built = [{k: g[k] for k in _IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
     if model is not None and ckpt_io.is_sharded(model):  # a full state, sharded again on every rank
+        # FSDP2's alone: imported here, it adds a second to every other script's start.
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_optimizer_state_dict)
         set_optimizer_state_dict(model, optimizer, state,
                                  options=StateDictOptions(full_state_dict=True))
     else:
