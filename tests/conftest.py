@@ -26,35 +26,10 @@ Fixtures (session-scoped, generated once per test session, never touching the re
 
 Functions:
 
-``PYTHON``: the interpreter the tests start scripts with (``sys.executable``: a real, fresh
-    one each time, whose exit status, streams, signals and teardown are a user's).
-
-``kill_job(pid, sig)``: ``sig`` to every process of a job started in a session of its own
-    (``start_new_session=True``), as a batch scheduler signals one; to ``pid`` alone if it
-    leads no group of its own.
-
-``run_main(name, *args)``: a script's ``main(argv)`` in this process, where a process of
-    its own adds nothing: a :class:`ScriptResult` with what it printed, the warnings it
-    raised (on stderr, as an interpreter shows them) and its exit status; the environment
-    and the working folder are the caller's again afterwards.
-
-``run_script(name, *args, torchrun_nproc=None, env=None, timeout=DEFAULT_TIMEOUT)``
-    Run ``python AMP/<name>.py *args`` from the repository root, or, with
-    ``torchrun_nproc=N``, ``python -m torch.distributed.run --standalone
-    --nproc_per_node=N AMP/<name>.py *args`` (``--standalone`` picks a free
-    rendezvous port, so parallel runs never collide), with ``PYTHON``. ``name`` may be
-    given with or without ``.py``. ``env`` is merged over a copy of ``os.environ`` from which
-    torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...) are removed; unless
-    PYTHONWARNINGS is set, DeprecationWarnings raised for ``AMP/`` code are made
-    visible (Python hides them by default outside ``__main__``), so
-    ``assert_clean_stderr`` sees them.
-    Returns a :class:`ScriptResult`, which unpacks as ``(returncode, stdout, stderr)``
-    with tqdm's carriage-return redraws removed (``clean_output``); the untouched text
-    is in ``.raw_stdout`` / ``.raw_stderr``. On timeout the whole process group is
-    killed and the test fails with the output so far.
-
-``clean_output(text)``: keep what a terminal would finally show on each line (the part
-    after the last ``\\r``); drop blank lines and tqdm progress-bar lines.
+Running a script: ``run_main`` (in this process, tests/helpers/in_process.py) and
+``start`` / ``finish`` / ``run`` / ``run_script`` / ``kill_job`` (a real interpreter,
+tests/helpers/processes.py), re-exported here with ``PYTHON``, ``clean_output`` and
+``ScriptResult``.
 ``parse_accuracy(stdout)`` -> ``(correct, total)`` from the eval scripts' ``correct/total = acc``.
 ``assert_no_traceback_of_ours(stdout, stderr)``: no traceback through the project's code in
     either stream (torchrun's own report of its workers' exit is allowed).
@@ -69,12 +44,9 @@ Functions:
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import pickle
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -82,12 +54,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-AMP_DIR = REPO_ROOT / "AMP"
+from helpers.in_process import run_main  # noqa: F401  (re-exported for the test files)
+from helpers.processes import (AMP_DIR, PYTHON, REPO_ROOT, ScriptResult, clean_output,  # noqa: F401
+                               finish, kill_job, kill_live_jobs_then_die, run, run_script, start,
+                               wait_for)
+
 if str(AMP_DIR) not in sys.path:
     sys.path.insert(0, str(AMP_DIR))
 
-DEFAULT_TIMEOUT = 600  # seconds; generous: the test machine's 2 cores are shared
+
+def pytest_configure(config):
+    signal.signal(signal.SIGTERM, kill_live_jobs_then_die)
 
 # The network of the tests that are about the machinery (resuming, signals, restarts, DDP,
 # compare), not about AlexNet: small (0.34M parameters, with BatchNorm), and quick in
@@ -185,155 +162,6 @@ def cifar_root(tmp_path_factory) -> Path:
         pickle.dump({"label_names": CIFAR_LABEL_NAMES, "num_cases_per_batch": 10000,
                      "num_vis": 3072}, f, protocol=2)
     return root
-
-
-# ---------------------------------------------------------------- running scripts
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-                  "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
-
-
-def _show_our_deprecations() -> str:
-    """A PYTHONWARNINGS value that shows (Pending)DeprecationWarnings raised on behalf of
-    the project's own modules, which Python's default filters hide outside __main__
-    (FutureWarning and UserWarning are shown by default anyway)."""
-    modules = ["__main__", "alexnet"] + sorted(
-        ".".join(p.relative_to(AMP_DIR).with_suffix("").parts).removesuffix(".__init__")
-        for p in (AMP_DIR / "ampkit").rglob("*.py"))
-    return ",".join(f"default::{cat}:{m}" for m in modules
-                    for cat in ("DeprecationWarning", "PendingDeprecationWarning"))
-
-
-class ScriptResult(tuple):
-    """``(returncode, stdout, stderr)`` (cleaned of tqdm redraws), plus the raw text."""
-
-    def __new__(cls, returncode: int, raw_stdout: str, raw_stderr: str, cmd: List[str]):
-        self = super().__new__(cls, (returncode, clean_output(raw_stdout),
-                                     clean_output(raw_stderr)))
-        self.raw_stdout, self.raw_stderr, self.cmd = raw_stdout, raw_stderr, cmd
-        return self
-
-    returncode = property(lambda self: self[0])
-    stdout = property(lambda self: self[1])
-    stderr = property(lambda self: self[2])
-
-    def describe(self) -> str:
-        """For assertion messages: the command, its exit status and its output."""
-        return (f"$ {' '.join(self.cmd)}\nexit {self.returncode}\n--- stdout\n{self.stdout}"
-                f"\n--- stderr\n{self.stderr}")
-
-
-_TQDM_BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+")
-
-
-def clean_output(text: str) -> str:
-    lines = []
-    for line in text.split("\n"):
-        shown = line.split("\r")[-1].rstrip()
-        if shown.strip() and not _TQDM_BAR.search(shown):
-            lines.append(shown)
-    return "\n".join(lines)
-
-
-# Process groups of the scripts running now: a SIGTERM to pytest (a CI or `timeout` limit)
-# kills them too. Each runs in its own session (so a timeout can kill its whole tree), which
-# also takes it out of the group that `timeout` signals.
-_LIVE_GROUPS: set = set()
-
-
-def _kill_scripts_then_die(signum, frame):
-    for pgid in list(_LIVE_GROUPS):
-        with contextlib.suppress(OSError):
-            os.killpg(pgid, signal.SIGKILL)
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def pytest_configure(config):
-    signal.signal(signal.SIGTERM, _kill_scripts_then_die)
-
-
-PYTHON = sys.executable
-
-
-def kill_job(pid: int, sig: int) -> None:
-    """``sig`` to the job started as ``pid`` in a session of its own: its whole process
-    group (torchrun and its workers, say); to ``pid`` alone if it leads no group."""
-    with contextlib.suppress(ProcessLookupError):
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
-
-
-def run_script(name: str, *args, torchrun_nproc: Optional[int] = None,
-               env: Optional[Dict[str, str]] = None,
-               timeout: float = DEFAULT_TIMEOUT) -> ScriptResult:
-    script = f"AMP/{name if name.endswith('.py') else name + '.py'}"
-    assert (REPO_ROOT / script).is_file(), f"no such script: {script}"
-    argv = [str(a) for a in args]
-    if torchrun_nproc is None:
-        cmd = [PYTHON, script, *argv]
-    else:
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={torchrun_nproc}", script, *argv]
-    full_env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
-    full_env.setdefault("PYTHONWARNINGS", _show_our_deprecations())
-    if torchrun_nproc is not None:
-        # What torchrun would set anyway (and warn about): one thread per process.
-        full_env.setdefault("OMP_NUM_THREADS", "1")
-    full_env.update(env or {})
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _LIVE_GROUPS.add(proc.pid)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_job(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n"
-                    f"{clean_output(out)}\n--- stderr\n{clean_output(err)}")
-    finally:
-        _LIVE_GROUPS.discard(proc.pid)
-    return ScriptResult(proc.returncode, out, err, cmd)
-
-
-def run_main(name: str, *args, env: Optional[Dict[str, str]] = None) -> ScriptResult:
-    """``AMP/<name>.py``'s ``main(argv)`` in this process (see the module docstring): its exit
-    status, stdout, and stderr followed by the warnings it raised, as an interpreter prints
-    them. torchrun's variables are taken out of the environment for the call (a DDP script
-    then makes a group of one, as under plain ``python``) and everything is put back."""
-    import importlib
-    import io
-    import warnings
-
-    module = importlib.import_module(name.removesuffix(".py"))
-    argv = [str(a) for a in args]
-    saved_env, saved_argv, saved_cwd = dict(os.environ), sys.argv, os.getcwd()
-    for key in _TORCHRUN_VARS:
-        os.environ.pop(key, None)
-    os.environ.update(env or {})
-    sys.argv = [str(AMP_DIR / f"{module.__name__}.py"), *argv]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    try:
-        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(err):
-            warnings.simplefilter("default")  # each one once, as a fresh interpreter shows it
-            try:
-                code = module.main(argv) or 0  # a train script's status: 128 + a stop's signal
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
-        sys.argv = saved_argv
-        os.chdir(saved_cwd)
-    shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
-                    for w in caught)
-    return ScriptResult(code, out.getvalue(), err.getvalue() + shown, [name, *argv])
 
 
 _ACC_RE = re.compile(r"(\d+)/(\d+) = (\d+(?:\.\d+)?)\s*$", re.M)

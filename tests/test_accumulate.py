@@ -5,15 +5,14 @@ once a step, and a stop mid-window saves whole steps only."""
 from __future__ import annotations
 
 import copy
-import os
 import signal
-import subprocess
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import PYTHON, REPO_ROOT, run_main
+from conftest import REPO_ROOT, run_main
+from helpers.processes import PYTHON, run, torchrun
 
 CPU = torch.device("cpu")
 
@@ -161,10 +160,8 @@ def test_every_scaler_script_accumulates_and_clips_as_at_scale_one(script, gloo_
 
 @pytest.mark.slow
 def test_ddp_and_fsdp_accumulate_as_one_process_and_ddp_reduces_once_a_step():
-    res = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node=3", "tests/helpers/accum_check.py"],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    res = run(torchrun("--standalone", "--nproc_per_node=3", "tests/helpers/accum_check.py"),
+              timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "all-reduce rounds in one step of 4 micro-batches: 1;" in res.stdout, res.stdout
     assert "micro-batches after a reduce-scatter: 0 of 4;" in res.stdout, res.stdout
@@ -187,9 +184,8 @@ def test_a_stop_mid_window_saves_whole_steps_and_resume_counts_every_step(imagef
              "--img_size", "64", "--batch_size", "8", "--accum_steps", "2", "--epochs", "2",
              "--no-cuda", "--no-tensorboard", "--checkpoint", str(ckpt), "--arch", "resnet18"]
     helper = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
-    res = subprocess.run([PYTHON, str(helper), "train_without", *flags],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, FAULT_SIGTERM_AT_LOSS="3"))
+    res = run([PYTHON, helper, "train_without", *flags], {"FAULT_SIGTERM_AT_LOSS": "3"},
+              timeout=300)
     assert res.returncode == 128 + signal.SIGTERM, res.stderr[-2000:]
     stopped = torch.load(run_dir / "last.pth", map_location="cpu", weights_only=True)
     assert (stopped["epoch"], stopped["step"]) == (0, 2)

@@ -3,18 +3,16 @@ parallel mode (its gradients, its checkpoints, its resume after a SIGKILL)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import time
 
 import pytest
 import torch
 from torch import nn
 
 from conftest import (FSDP_ARCH, IF_VAL_SIZE, REPO_ROOT, as_a_dataparallel_replica,
-                      kill_job, parse_accuracy, PYTHON, run_main, run_script, tiny_args)
+                      parse_accuracy, run_main, run_script, tiny_args)
+from helpers.processes import finish, kill_job, start, torchrun, wait_for
 
 CPU = torch.device("cpu")
 
@@ -121,20 +119,12 @@ def test_bf16_under_dataparallel_for_any_arch():
 @pytest.mark.slow
 def test_fsdp_resumes_after_sigkill(imagefolder_root, tmp_path):
     flags = tiny_args(tmp_path, imagefolder_root, epochs=2, batch_size=8) + ["--arch", FSDP_ARCH]
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO_ROOT / "AMP" / "train_FSDP_GradScaler.py"), *flags]
     run_dir = tmp_path / "checkpoint" / "train_FSDP_GradScaler"
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        deadline = time.monotonic() + 180
-        while not (run_dir / "last.pth").exists():  # epoch 1 is saved: kill in epoch 2 or so
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-    finally:
-        kill_job(proc.pid, signal.SIGKILL)  # every process of the job, mid-save or mid-epoch
-        proc.communicate()
+    proc = start(torchrun("--standalone", "--nproc_per_node=2",
+                          REPO_ROOT / "AMP" / "train_FSDP_GradScaler.py", *flags))
+    wait_for((run_dir / "last.pth").exists, 180, proc)  # epoch 1 saved: kill in epoch 2 or so
+    kill_job(proc.pid, signal.SIGKILL)  # every process of the job, mid-save or mid-epoch
+    finish(proc, 60)
     done = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"]
     assert 1 <= done <= 2
     res = run_script("train_FSDP_GradScaler", *flags, "--resume", torchrun_nproc=2)

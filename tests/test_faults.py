@@ -12,17 +12,15 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
-import sys
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import FAST_ARCH, IF_TRAIN_SIZE, REPO_ROOT, clean_output, kill_job, PYTHON, run_main
+from conftest import FAST_ARCH, IF_TRAIN_SIZE, REPO_ROOT, run_main
+from helpers.processes import PYTHON, finish, kill_job, run, start, torchrun, wait_for
 
 def _args(root: Path, ckpt: Path, *extra: str, dataset: str = "ImageFolder") -> list:
     """A quick in-process run on conftest.FAST_ARCH (what fails here is not the network)."""
@@ -335,8 +333,7 @@ def test_second_run_in_the_same_folder_is_refused_until_the_first_dies(imagefold
                                                                       tmp_path, capsys):
     run_dir = tmp_path / "ckpt" / "train_without"
     run_dir.mkdir(parents=True)
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(run_dir)], cwd=REPO_ROOT,
-                              stdout=subprocess.PIPE, text=True)
+    holder = start([PYTHON, "-c", _HOLD, run_dir])
     try:
         assert holder.stdout.readline().strip() == "locked"
         stale = run_dir / ".last.pth.123.tmp"  # the holder's save in flight: not touched
@@ -347,8 +344,8 @@ def test_second_run_in_the_same_folder_is_refused_until_the_first_dies(imagefold
         assert f"pid {holder.pid} on " in line and "started 20" in line, line
         assert stale.exists()
     finally:
-        holder.kill()  # SIGKILL: the OS releases the lock
-        holder.wait()
+        kill_job(holder.pid, signal.SIGKILL)  # the OS releases the lock
+        finish(holder, 30)
     code, out, err = _main("train_without", _args(imagefolder_root, tmp_path / "ckpt"), capsys)
     assert code == 0, err
     assert not stale.exists(), "the new holder cleans up the dead run's temp files"
@@ -492,25 +489,14 @@ def test_a_killed_ddp_worker_leaves_one_line_per_survivor(imagefolder_root, tmp_
     ckpt = tmp_path / "ckpt"
     flags = _args(imagefolder_root, ckpt, "--epochs", "50")
     flags[flags.index("--batch_size") + 1] = "4"
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO_ROOT / "AMP" / "train_DDP.py"), *flags]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(env, OMP_NUM_THREADS="1"), start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while not (ckpt / "train_DDP" / "log.jsonl").exists():  # epoch 1 is done
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
-        worker = subprocess.run(["pgrep", "-f", "-n", "train_DDP.py"], capture_output=True,
-                                text=True).stdout.split()
-        kill_job(int(worker[-1]), signal.SIGKILL)  # the newest worker process
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            kill_job(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    ours = [ln for ln in clean_output(err).splitlines() if "train_DDP.py: error" in ln]
+    proc = start(torchrun("--standalone", "--nproc_per_node=2",
+                          REPO_ROOT / "AMP" / "train_DDP.py", *flags))
+    wait_for((ckpt / "train_DDP" / "log.jsonl").exists, 180, proc)  # epoch 1 is done
+    worker = run(["pgrep", "-f", "-n", "train_DDP.py"], timeout=30).stdout.split()
+    kill_job(int(worker[-1]), signal.SIGKILL)  # the newest worker process
+    code, out, err = finish(proc, 120)
+    assert code != 0
+    ours = [ln for ln in err.splitlines() if "train_DDP.py: error" in ln]
     assert len(ours) == 1 and "lost a peer process" in ours[0], err[-3000:]
     # torchrun reports the dead worker with its own traceback; no worker prints one.
     for tb in err.split("Traceback (most recent call last):")[1:]:

@@ -4,17 +4,15 @@ a step that fails or is skipped makes the check fail, and the summary's last lin
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
+from helpers.processes import PYTHON, ScriptResult, run
 
-# A step that starts a child in a new session (as conftest.run_script does), which would
+# A step that starts a child in a new session (as tests/helpers/processes.py's start does), which would
 # outlive the step's timeout; the child writes its pid, then both sleep.
 STEP = """
 import subprocess, sys, time
@@ -39,10 +37,9 @@ def test_a_step_stopped_by_its_timeout_leaves_no_process(tmp_path):
     work.mkdir()
     (tmp_path / "step.py").write_text(STEP)
     script = (f'OUT={out} WORK={work} BUDGET=3 MIN_STEP=1; source bench/steps.sh; '
-              f'run slow 60 {sys.executable} {tmp_path / "step.py"} {pidfile}; echo "rc=$?"')
+              f'run slow 60 {PYTHON} {tmp_path / "step.py"} {pidfile}; echo "rc=$?"')
     t0 = time.monotonic()
-    res = subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=60)
+    res = run(["bash", "-c", script], timeout=60)
     assert time.monotonic() - t0 < 30, "the step's timeout was not applied"
     assert "rc=124" in res.stdout, res.stdout + res.stderr
     pid = int(pidfile.read_text())
@@ -59,15 +56,14 @@ def test_a_step_stopped_by_its_timeout_leaves_no_process(tmp_path):
         assert "./slow.txt" in tar.getnames()
 
 
-def _steps(tmp_path, body: str, **env) -> subprocess.CompletedProcess:
+def _steps(tmp_path, body: str, **env) -> ScriptResult:
     """Run ``body`` in bash with bench/steps.sh sourced (OUT, WORK under tmp_path)."""
     out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir()
     work.mkdir()
     settings = " ".join(f"{k}={v}" for k, v in {"BUDGET": 60, "MIN_STEP": 1, **env}.items())
     script = f"OUT={out} WORK={work} {settings}; source bench/steps.sh; {body}"
-    return subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=60)
+    return run(["bash", "-c", script], timeout=60)
 
 
 def test_a_failed_or_skipped_step_makes_the_check_fail_and_is_named_last(tmp_path):
@@ -113,6 +109,5 @@ def test_big_files_stay_out_of_the_archive_and_long_outputs_are_cut(tmp_path):
 
 
 def test_gpu_check_script_parses():
-    res = subprocess.run(["bash", "-n", "bench/gpu_check.sh"], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=30)
+    res = run(["bash", "-n", "bench/gpu_check.sh"], timeout=30)
     assert res.returncode == 0, res.stderr

@@ -350,3 +350,23 @@ def test_modules_end_at_their_seams():
     too_long = {f: n for f, n in sizes.items()
                 if n > (160 if f.startswith("train_") else 260)}
     assert not too_long, too_long
+
+
+def test_tests_start_processes_through_one_helper():
+    """The tests start a process one way (tests/helpers/processes.py: its own session, the
+    environment of a user's run, a timeout that kills the whole job and shows its output),
+    and run a script in-process one way (tests/helpers/in_process.py). faulty_train.py, a
+    job itself, sends its group a signal from another process, as a scheduler does."""
+    tests_dir = AMP_DIR.parent / "tests"
+    allowed = {"processes.py", "faulty_train.py"}
+    direct = []
+    for path in sorted(tests_dir.glob("*.py")) + sorted((tests_dir / "helpers").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and path.name not in allowed:
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                if "subprocess" in names:
+                    direct.append(f"{path.name}:{node.lineno}")
+            if isinstance(node, ast.FunctionDef) and node.name == "run_main" \
+                    and path.name != "in_process.py":
+                direct.append(f"{path.name}:{node.lineno} defines run_main")
+    assert not direct, direct

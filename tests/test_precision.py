@@ -205,17 +205,15 @@ def test_tf32_flags_stay_readable_after_set_tf32():
     inductor's autotuning (--compile) calls torch.get_float32_matmul_precision(), which
     raises on torch 2.14 after torch.backends.cuda.matmul.fp32_precision is set. (In a
     process of its own: these are process-wide settings.)"""
-    import subprocess
-    import sys
-
     from conftest import AMP_DIR
+    from helpers.processes import PYTHON, run
 
     read = ("print(torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32, "
             "torch.backends.cudnn.conv.fp32_precision)")
     code = (f"import sys; sys.path.insert(0, {str(AMP_DIR)!r}); import torch; "
             f"from ampkit.precision import set_tf32; set_tf32(True); {read}; "
             f"set_tf32(False); {read}")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    res = run([PYTHON, "-c", code], timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == "high True tf32 highest False ieee".split()
 

@@ -5,15 +5,14 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (FAST_ARCH, PYTHON, REPO_ROOT as REPO, clean_output, kill_job, run_main,
-                      run_script)
+from conftest import FAST_ARCH, REPO_ROOT as REPO, run_main, run_script
+from helpers.processes import PYTHON, finish, kill_job, run, start, torchrun, wait_for
 
 HELPER = REPO / "tests" / "helpers" / "faulty_train.py"
 
@@ -37,27 +36,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(*args: str) -> list[str]:
-    return [PYTHON, "-m", "torch.distributed.run", *args]
-
-
-def _wait_for(pred, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        if proc is not None and proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"process ended early ({proc.returncode}): {err[-2000:]}")
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting")
-
-
 def _run_faulty(*args: str, env: dict) -> tuple[int, str, str]:
     """Run tests/helpers/faulty_train.py (a train variant with an injected fault)."""
-    res = subprocess.run([PYTHON, str(HELPER), *args], cwd=REPO, capture_output=True,
-                         text=True, env=dict(os.environ, **env), timeout=300)
-    return res.returncode, clean_output(res.stdout), clean_output(res.stderr)
+    return run([PYTHON, HELPER, *args], env, timeout=300)
 
 
 def _load(path: Path) -> dict:
@@ -72,12 +53,11 @@ def test_sigkill_mid_epoch_then_resume_completes(imagefolder_root, tmp_path):
     run_dir = ckpt / "train_without"
     cmd = [PYTHON, str(REPO / "AMP" / "train_without.py"),
            *_tiny(imagefolder_root, ckpt, "--epochs", "4")]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(cmd)
     # Kill as soon as a checkpoint is on disk: after epoch 1, seconds before epoch 4 ends.
-    _wait_for(lambda: (run_dir / "last.pth").exists(), 120, proc)
+    wait_for(lambda: (run_dir / "last.pth").exists(), 120, proc)
     kill_job(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    assert finish(proc, 60).returncode == -signal.SIGKILL
     done = _load(run_dir / "last.pth")["epoch"]
     assert 1 <= done < 4
 
@@ -126,17 +106,15 @@ def test_second_ctrl_c_during_a_save_ends_cleanly(imagefolder_root, tmp_path):
     # Writes: epoch 1 -> last.pth (1; best.pth names it); epoch 2 -> last.pth (2), slowly.
     cmd = [PYTHON, str(HELPER), "train_without",
            *_tiny(imagefolder_root, ckpt, "--epochs", "6")]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, FAULT_SLOW_SAVE="2",
-                                                FAULT_MARKER=str(marker)))
-    _wait_for(marker.exists, 120, proc)
-    proc.send_signal(signal.SIGINT)
+    proc = start(cmd, {"FAULT_SLOW_SAVE": "2", "FAULT_MARKER": str(marker)})
+    wait_for(marker.exists, 120, proc)
+    kill_job(proc.pid, signal.SIGINT)  # Ctrl-C: to the terminal's whole foreground group
     time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err[-2000:]
+    kill_job(proc.pid, signal.SIGINT)
+    rc, out, err = finish(proc, 60)
+    assert rc == 130, err[-2000:]
     assert "terminate called" not in err and "Traceback" not in err, err[-2000:]
-    line = clean_output(err).strip().splitlines()[-1]
+    line = err.strip().splitlines()[-1]
     assert "interrupted" in line and "holds epoch 1" in line and "epoch 2" in line, line
     assert _load(run_dir / "last.pth")["epoch"] == 1
     assert not list(run_dir.glob(".*.tmp")), "a temporary file was left behind"
@@ -208,12 +186,12 @@ def test_torchrun_max_restarts_resumes_and_finishes(imagefolder_root, tmp_path):
     ckpt = tmp_path / "ckpt"
     run_dir = ckpt / "train_DDP_GradScaler"
     marker = tmp_path / "crashed"
-    env = dict(os.environ, FAULT_EXIT_AT_STEP="5", FAULT_RANK="1", FAULT_MARKER=str(marker))
+    env = {"FAULT_EXIT_AT_STEP": "5", "FAULT_RANK": "1", "FAULT_MARKER": str(marker)}
     # 48 images / (2 ranks x 8) = 3 steps per epoch: step 5 is inside epoch 2.
-    cmd = _torchrun("--nproc_per_node=2", "--max-restarts=1", "--rdzv-backend=c10d",
+    cmd = torchrun("--nproc_per_node=2", "--max-restarts=1", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{_free_port()}", str(HELPER), "train_DDP_GradScaler",
                     *_tiny(imagefolder_root, ckpt, "--epochs", "3"))
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    res = run(cmd, env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
     assert f"resumed from {run_dir / 'last.pth'}: epoch 2" in res.stdout
@@ -229,15 +207,13 @@ def test_two_nodes_on_localhost_train_to_the_end(imagefolder_root, tmp_path):
     flags = _tiny(imagefolder_root, ckpt, "--epochs", "1")
     flags[flags.index("--no-tensorboard")] = "--tensorboard"
     flags += ["--tensorboard_log", str(tb)]
-    node = _torchrun("--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+    node = torchrun("--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonodes",
                      str(REPO / "AMP" / "train_DDP.py"), *flags)
-    procs = [subprocess.Popen(node, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    printed = "".join(out for out, _ in outs)
+    ends = [finish(p, 300) for p in [start(node) for _ in range(2)]]
+    for rc, _, err in ends:
+        assert rc == 0, err[-3000:]
+    printed = "\n".join(end.stdout for end in ends)
     assert printed.count("epoch 1/1  train_loss") == 1, "only global rank 0 prints"
     assert "x2 processes" in printed
     assert sorted(p.name for p in (ckpt / "train_DDP").iterdir()) == [".lock", "best.pth",
@@ -248,17 +224,16 @@ def test_two_nodes_on_localhost_train_to_the_end(imagefolder_root, tmp_path):
     # from rank 0 names rank 1, its host and path; no rank starts afresh or waits.
     other = tmp_path / "node1_ckpt"
     port = _free_port()
-    procs = [subprocess.Popen(
-        _torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={node_rank}",
+    procs = [start(
+        torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={node_rank}",
                   "--master_addr=127.0.0.1", f"--master_port={port}",
                   str(REPO / "AMP" / "train_DDP.py"),
-                  *_tiny(imagefolder_root, folder, "--epochs", "2", "--resume")),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                  *_tiny(imagefolder_root, folder, "--epochs", "2", "--resume")))
         for node_rank, folder in ((0, ckpt), (1, other))]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [1, 1], outs
-    lines = [ln for ln in clean_output(outs[0][1]).splitlines() if "error:" in ln]
-    assert len(lines) == 1, outs[0][1][-3000:]
+    ends = [finish(p, 120) for p in procs]
+    assert [end.returncode for end in ends] == [1, 1], ends
+    lines = [ln for ln in ends[0].stderr.splitlines() if "error:" in ln]
+    assert len(lines) == 1, ends[0].stderr[-3000:]
     assert f"rank 1 on {socket.gethostname()}" in lines[0], lines
     assert str(other / "train_DDP" / "last.pth") in lines[0] and "must be shared" in lines[0]
     assert _load(ckpt / "train_DDP" / "last.pth")["epoch"] == 1  # nothing trained on

@@ -6,17 +6,14 @@ Real interpreters: what is tested is the processes' exit status, streams and tea
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import time
 
 import pytest
 import torch
 
-from conftest import (FSDP_ARCH, PYTHON, REPO_ROOT, assert_no_traceback_of_ours, clean_output,
-                      kill_job, run_script)
+from conftest import FSDP_ARCH, REPO_ROOT, assert_no_traceback_of_ours, run_script
+from helpers.processes import PYTHON, finish, kill_job, run, start, torchrun, wait_for
 from test_resume_exact import _assert_equal_states
 from test_world_size import _torchrun
 
@@ -42,10 +39,8 @@ def test_a_signal_to_the_whole_group_with_loader_workers_stops_one_process(
     ckpt = tmp_path / "ckpt"
     flags = _flags(imagefolder_root, ckpt, "--arch", "shufflenet_v2_x0_5", "--batch_size", "8",
                    "--epochs", "2")
-    res = subprocess.run([PYTHON, str(HELPER), "train_without", *flags], cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=300, start_new_session=True,
-                         env=dict(os.environ, FAULT_SIGTERM_AT_LOSS="3", FAULT_TO_GROUP="1"))
-    code, out, err = res.returncode, clean_output(res.stdout), clean_output(res.stderr)
+    code, out, err = run([PYTHON, HELPER, "train_without", *flags],
+                         {"FAULT_SIGTERM_AT_LOSS": "3", "FAULT_TO_GROUP": "1"}, timeout=300)
     assert code == 143, err[-3000:]
     assert "stopped by SIGTERM at epoch 1, step 3" in out, out
     assert_no_traceback_of_ours(out, err)
@@ -68,23 +63,12 @@ def test_sigterm_to_a_whole_torchrun_job_stops_it_and_the_resume_ends_bit_for_bi
     assert res.returncode == 0, res.stderr[-3000:]
 
     run_dir = ckpt / "train_DDP"
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HELPER), "train_DDP", *_flags(imagefolder_root, ckpt, *flags)]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,  # each rank's exit status:
-                            env=dict(os.environ, OMP_NUM_THREADS="1",
-                                     FAULT_EXIT_FILE=str(tmp_path / "exit")))
-    try:
-        deadline = time.monotonic() + 180
-        while not (run_dir / "log.jsonl").exists():  # epoch 1 is done
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        kill_job(proc.pid, signal.SIGTERM)  # the whole job: torchrun leads its group
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            kill_job(proc.pid, signal.SIGKILL)
-    out = clean_output(out)
+    proc = start(torchrun("--standalone", "--nproc_per_node=2", HELPER, "train_DDP",
+                          *_flags(imagefolder_root, ckpt, *flags)),
+                 {"FAULT_EXIT_FILE": str(tmp_path / "exit")})  # each rank's exit status
+    wait_for((run_dir / "log.jsonl").exists, 180, proc)  # epoch 1 is done
+    kill_job(proc.pid, signal.SIGTERM)  # the whole job: torchrun leads its group
+    _, out, err = finish(proc, 120)
     stopped = re.search(r"stopped by SIGTERM (?:at epoch (\d), step (\d+)|after epoch (\d));",
                         out)
     assert stopped, out + err[-3000:]

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from helpers import group_check
+from helpers.processes import run
 
 TIMEOUT = 240  # seconds for the whole check; a hang fails it instead of the suite
 
@@ -103,7 +103,8 @@ def test_loader_workers_ignore_stop_signals_from_outside_but_end_with_their_proc
     workers = _children() - before
     assert len(workers) == 2, workers
     for sig in ("TERM", "USR1", "INT"):
-        subprocess.run(["kill", f"-{sig}", *map(str, workers)], check=True)
+        # From a process that is not their parent (which they obey), as a scheduler's.
+        assert run(["kill", f"-{sig}", *workers], timeout=30).returncode == 0
     time.sleep(0.5)
     assert sum(len(y) for _, y in batches) == 48 - 4  # the epoch's rest, from live workers
     for pid in workers:

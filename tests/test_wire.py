@@ -6,14 +6,12 @@ processes by tests/helpers/wire_check.py under torchrun; the flags, the epoch li
 and a resume's words in-process, in a group of one.
 """
 import json
-import os
-import subprocess
 
 import pytest
 
 from ampkit.models import build_model
-from conftest import (FAST_ARCH, PYTHON, REPO_ROOT, assert_no_traceback_of_ours, run_main,
-                      tiny_args)
+from conftest import FAST_ARCH, assert_no_traceback_of_ours, run_main, tiny_args
+from helpers.processes import run, torchrun
 
 
 @pytest.mark.parametrize("script, flags, says", [
@@ -71,10 +69,8 @@ def test_powersgd_counts_its_bytes_and_a_resume_says_what_restarts(imagefolder_r
 
 @pytest.mark.slow
 def test_hooks_at_three_processes_match_fp32_reduce_once_a_step_and_survive_an_overflow():
-    res = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node=3", "tests/helpers/wire_check.py"],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    res = run(torchrun("--standalone", "--nproc_per_node=3", "tests/helpers/wire_check.py"),
+              timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert_no_traceback_of_ours(res.stdout, res.stderr)
     assert res.stdout.strip().endswith("OK"), res.stdout

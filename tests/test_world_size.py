@@ -3,19 +3,17 @@ leave a rank waiting, every rank starts from the seed's weights, and rank 0 deci
 is resumed. Under torchrun at 3 and 4 gloo processes, on sizes that do not divide."""
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (FAST_ARCH, FSDP_ARCH, PYTHON, REPO_ROOT, assert_no_traceback_of_ours,
-                      clean_output, kill_job, parse_accuracy)
+from conftest import (FAST_ARCH, FSDP_ARCH, REPO_ROOT, assert_no_traceback_of_ours,
+                      parse_accuracy)
+from helpers.processes import ScriptResult, run, torchrun
 
 HELPER = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
 
@@ -27,24 +25,10 @@ def _flags(root: Path, ckpt: Path, *extra: str, arch: str = FAST_ARCH) -> list:
 
 
 def _torchrun(nproc: int, script: Path, *args: str, env: dict | None = None,
-              timeout: float = 240) -> subprocess.CompletedProcess:
+              timeout: float = 240) -> ScriptResult:
     """torchrun with ``nproc`` workers; past ``timeout`` (a rank waiting on a collective
     that its peers skipped) the whole job is killed and the test fails."""
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_job(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"no end after {timeout} s (a hang?): {' '.join(cmd)}\n"
-                    f"{clean_output(out)[-2000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run(torchrun("--standalone", f"--nproc_per_node={nproc}", script, *args), env, timeout)
 
 
 def _exit_codes(stderr: str) -> dict:
@@ -89,7 +73,7 @@ def test_a_signal_to_one_rank_stops_every_rank_a_step_later(nproc, rank, signal_
     res = _torchrun(nproc, HELPER, "train_DDP", *flags,
                     env={"FAULT_SIGTERM_AT_LOSS": "11", "FAULT_RANK": str(rank),
                          "FAULT_SIGNAL": signal_name, "FAULT_SLOW_EXIT": "2"})
-    out = clean_output(res.stdout)
+    out = res.stdout
     assert f"stopped by {signal_name} (sent to another rank) {stop}" in out, \
         out[-2000:] + res.stderr[-3000:]
     # Every rank's status is the signal's, also those that torchrun's SIGTERM reached while
