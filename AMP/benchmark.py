@@ -34,10 +34,9 @@ from typing import List, Optional
 
 import torch
 
-from ampkit.machinery.process import want_cuda
 from ampkit.machinery.data import default_workers
-from ampkit.machinery.errors import UserError
 from ampkit.machinery.hardware_use import fp32_peak_math, peak_tflops
+from ampkit.machinery.process import UserError, want_cuda
 from ampkit.precision import cpu_has_fast_bf16, set_tf32
 from tools import measure_input, measure_steps, tables
 from tools.bench_flags import PIPELINES, parse_args

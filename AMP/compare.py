@@ -55,7 +55,7 @@ from typing import List, Optional
 from ampkit.machinery.archs import check_arch_flags
 from ampkit.machinery.config import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
                                      train_parser)
-from ampkit.machinery.errors import UserError
+from ampkit.machinery.process import UserError
 from tools import report, stats
 from tools.compare_results import TB_ACCURACY, write_results
 from tools.comparison import Comparison, short

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ampkit.distributed import GROUP_TIMEOUT, elastic_store, torchrun_env
 from ampkit.evaluate import Evaluation
 from ampkit.machinery.config import parse_eval_args
-from ampkit.machinery.errors import report_user_errors
+from ampkit.machinery.process import report_user_errors
 
 
 @report_user_errors  # a user's mistake: one line and exit status 2

@@ -14,7 +14,7 @@ from torch import nn
 
 from ampkit.evaluate import Evaluation
 from ampkit.machinery.config import parse_eval_args
-from ampkit.machinery.errors import report_user_errors
+from ampkit.machinery.process import report_user_errors
 
 
 @report_user_errors

@@ -22,8 +22,8 @@ from ampkit.precision import compile_in_place
 from ampkit.technique import Parts, Technique, make_parts
 from ampkit.machinery.config import parse_train_args
 from ampkit.machinery.data import build_loaders
-from ampkit.machinery.errors import report_user_errors
 from ampkit.machinery.log import header_line
+from ampkit.machinery.process import report_user_errors
 from ampkit.train import EpochFigures, RunFolder, restore, resume
 
 

@@ -167,7 +167,7 @@ def test_fsdp_mixed_refuses_batchnorm_networks():
 
     import train_FSDP_mixed
     from ampkit.technique import Parts
-    from ampkit.machinery.errors import UserError
+    from ampkit.machinery.process import UserError
 
     net = torchvision.models.get_model("resnet18", num_classes=3)
     with pytest.raises(UserError, match="BatchNorm.*train_FSDP_autocast"):

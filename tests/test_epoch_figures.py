@@ -123,7 +123,7 @@ def test_every_epoch_trains_in_a_new_order(script, imagefolder_root, tmp_path, c
 
 def test_several_processes_without_a_distributed_sampler_are_refused():
     from ampkit.machinery.samplers import one_process_sampler
-    from ampkit.machinery.errors import UserError
+    from ampkit.machinery.process import UserError
 
     assert len(one_process_sampler(10, 0)) == 10
     with pytest.raises(UserError, match="DistributedSampler"):

@@ -21,11 +21,10 @@ from torch import nn
 
 from torch.utils.data import DistributedSampler
 
-from ampkit.machinery.process import DistInfo
+from ampkit.machinery.process import DistInfo, UserError
 from ampkit.machinery.data import eval_loader, train_loader
 from ampkit.machinery.datasets import STD, build_datasets, build_transform
 from ampkit.machinery.samplers import one_process_sampler
-from ampkit.machinery.errors import UserError
 from ampkit.machinery.fastdata import DeviceLoader, fast_loaders, fits_in_memory, load_uint8
 from tools.cifar_files import write_cifar10
 from tools.measure_input import measure_input_pipeline

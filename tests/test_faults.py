@@ -470,7 +470,7 @@ ESCAPED = [b"h\x07.", b"\x80\x02(.", b"}(K\x01h\x02u.",
 @pytest.mark.filterwarnings("error")  # no warning noise either
 def test_random_bytes_are_never_a_traceback(tmp_path):
     from ampkit.machinery import checkpoint as ckpt_io
-    from ampkit.machinery.errors import UserError
+    from ampkit.machinery.process import UserError
 
     rng = np.random.default_rng(2026)
     blobs = [rng.bytes(int(rng.integers(1, 4096))) for _ in range(400)] + ESCAPED

@@ -306,7 +306,7 @@ def test_corrupt_or_foreign_checkpoint_is_one_line(name, ckpt_3class, tmp_path):
     import re
 
     from ampkit.machinery import checkpoint as ckpt_io
-    from ampkit.machinery.errors import UserError
+    from ampkit.machinery.process import UserError
 
     path = _corrupt_file(name, ckpt_3class, tmp_path)
     with pytest.raises(UserError) as e:

@@ -158,7 +158,7 @@ def _args(ckpt: Path, resume="auto"):
 
 
 def test_rank_0_decides_what_is_resumed_and_every_rank_must_see_it(tmp_path):
-    from ampkit.machinery.errors import UserError
+    from ampkit.machinery.process import UserError
     from ampkit.machinery.resume import _identity
 
     run_dir = tmp_path / "train_DDP"

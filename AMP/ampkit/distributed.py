@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 from .machinery import checkpoint as ckpt_io
 from .machinery import resume
-from .machinery.process import DistInfo, process_device
-from .machinery.errors import UserError
+from .machinery.process import DistInfo, UserError, process_device
 from .machinery.signals import StopFlag
 
 # How long a collective may wait for a peer (a slow rank 0 writing a checkpoint, say).

@@ -18,9 +18,8 @@ from torch import nn
 from tqdm import tqdm
 
 from .distributed import StopVote, max_over_ranks, sum_over_ranks
-from .machinery.errors import UserError
+from .machinery.process import DistInfo, UserError, synchronize
 from .machinery.log import progress_bar
-from .machinery.process import DistInfo, synchronize
 from .precision import SkippedSteps
 from .technique import Step, Window
 

@@ -20,13 +20,12 @@ import torch
 from torch import nn
 
 from .distributed import barrier, gather_from_ranks, local_main_first, this_process
-from .machinery.process import single_process_device
+from .machinery.process import UserError, single_process_device
 from .engine import count_correct
 from .machinery import checkpoint as ckpt_io
 from .machinery.archs import DEFAULT_ARCH, check_arch_flags
 from .machinery.config import DATA_DIR
 from .machinery.data import build_loaders, take_skipped
-from .machinery.errors import UserError
 from .models import autocast_replicas, build_model
 from .precision import resolve_amp_dtype
 

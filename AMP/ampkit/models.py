@@ -12,7 +12,7 @@ import torchvision
 from torch import nn
 
 from .machinery.archs import builder_kwargs, check_arch
-from .machinery.errors import UserError
+from .machinery.process import UserError
 from .precision import autocast_forward
 
 

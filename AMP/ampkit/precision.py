@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from .machinery.errors import UserError
+from .machinery.process import UserError
 
 
 def resolve_amp_dtype(name: Optional[str], device: torch.device) -> torch.dtype:

@@ -31,11 +31,10 @@ from .distributed import (StopVote, agree_on_resumed, agreed_resume_path, any_ra
 from .engine import EpochStats
 from .machinery import checkpoint as ckpt_io
 from .machinery.data import report_skipped, take_skipped
-from .machinery.errors import Interrupted, UserError
+from .machinery.process import DistInfo, Interrupted, UserError, single_process_device
 from .machinery.hardware_use import (StepProfiler, achieved, peak_memory_mb, reset_peak_memory,
                                      run_peak)
 from .machinery.log import RunLogger, epoch_row, summary_line
-from .machinery.process import DistInfo, single_process_device
 from .machinery.run_folder import claim_folders
 from .machinery.resume import Resumed, load_resume, load_states, where_it_starts
 from .machinery.saving import SavePolicy, checkpoint_state

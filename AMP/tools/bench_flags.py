@@ -10,7 +10,7 @@ from typing import List, Optional
 from ampkit.comm_hooks import HOOKS
 from ampkit.machinery.archs import check_arch_flags
 from ampkit.machinery.config import AMP_DTYPES, DATA_DIR, Parser
-from ampkit.machinery.errors import UserError
+from ampkit.machinery.process import UserError
 
 from .variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
 

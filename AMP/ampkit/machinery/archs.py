@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 import torchvision
 
-from .errors import UserError
+from .process import UserError
 
 DEFAULT_ARCH = "alexnet"
 MIN_ALEXNET_SIZE = 63  # AlexNet's feature extractor needs at least 63x63 input

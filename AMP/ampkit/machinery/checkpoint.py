@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from .errors import UserError, first_line
+from .process import UserError, first_line
 
 LAST, BEST = "last.pth", "best.pth"
 

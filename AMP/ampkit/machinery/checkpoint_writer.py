@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import UserError, first_line
+from .process import UserError, first_line
 
 
 def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:

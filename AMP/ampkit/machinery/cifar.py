@@ -18,7 +18,7 @@ import numpy as np
 import torchvision
 from torchvision.datasets.utils import calculate_md5, download_url
 
-from .errors import UserError
+from .process import UserError
 
 CIFAR_CLASSES = 10  # its labels: 0..9
 CIFAR_ARCHIVE = "cifar-10-python.tar.gz"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .archs import check_arch_flags
-from .errors import UserError
+from .process import UserError
 from .wire_flags import add_wire_flags, check_wire_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -20,8 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .datasets import (BadImage, Unreadable, build_datasets, Substituted, collate_readable,
                        collate_substituted)
 from .samplers import IndexSampler, ResumableSampler, one_process_sampler
-from .process import DistInfo
-from .errors import UserError
+from .process import DistInfo, UserError
 from .fastdata import fast_loaders, fits_in_memory
 from .signals import held_stop_signals, ignore_stop_signals
 

@@ -18,8 +18,7 @@ from torch.utils.data import Dataset, default_collate
 from torchvision import transforms
 
 from .cifar import CIFAR_CLASSES, check_cifar_root, cifar10
-from .process import DistInfo
-from .errors import RankError, UserError
+from .process import DistInfo, RankError, UserError
 
 # ImageNet statistics: standard for AlexNet and what its pretrained weights expect.
 MEAN = (0.485, 0.456, 0.406)

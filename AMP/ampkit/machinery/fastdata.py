@@ -28,8 +28,7 @@ from torch.utils.data import Sampler, TensorDataset
 from .cifar import check_cifar_root, cifar10
 from .datasets import FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD
 from .samplers import IndexSampler, ResumableSampler, one_process_sampler
-from .process import DistInfo
-from .errors import UserError
+from .process import DistInfo, UserError
 
 
 def fits_in_memory(name: str) -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import checkpoint as ckpt_io
 from .config import plain
-from .errors import UserError
+from .process import UserError
 
 
 def resume_path(args, run_dir: Path) -> Optional[Path]:

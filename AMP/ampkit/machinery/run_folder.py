@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .errors import UserError
+from .process import UserError
 
 
 def remove_stale_temps(folder: Path) -> None:

@@ -13,8 +13,7 @@ from typing import Iterator, Sequence
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
-from .process import DistInfo, derived_seed
-from .errors import UserError
+from .process import DistInfo, UserError, derived_seed
 
 
 class ResumableSampler(Sampler[int]):

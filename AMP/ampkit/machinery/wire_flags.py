@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .errors import UserError
+from .process import UserError
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")  # ampkit/comm_hooks.py
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # train_FSDP_mixed.py
