@@ -36,10 +36,9 @@ tests/helpers/processes.py), re-exported here with ``PYTHON``, ``clean_output`` 
 ``assert_clean_stderr(stderr)``: no traceback, no ``*Warning`` (DeprecationWarning,
     FutureWarning, UserWarning, ...), no ``warning:`` line other than ampkit's own
     "warning: this CPU has no native bfloat16" notice.
-``tiny_args(tmp, dataset_root, dataset=, epochs=1, batch_size=16, lr=None,
-    tensorboard=False, cuda=False)``: the flags of a quick training run (64 px,
-    ``--no-cuda`` unless ``cuda``, ``--no-tensorboard`` unless ``tensorboard``;
-    ``--checkpoint tmp/checkpoint`` and ``--tensorboard_log tmp/tensorboard``).
+``quick_flags(dataset_root, checkpoint, *extra, **flags)``: the flags of a quick run, the
+    one builder of them (each test file names its own preset of it);
+    ``tiny_args(tmp, dataset_root, ...)``: a script's own quick AlexNet run, under ``tmp``.
 ``event_files(folder)``: TensorBoard event files under a folder (recursively).
 """
 from __future__ import annotations
@@ -210,17 +209,34 @@ def gloo_of_one():
         dist.destroy_process_group()
 
 
+def quick_flags(dataset_root: Path, checkpoint: Path, *extra, dataset: str = "ImageFolder",
+                img_size: int = 64, arch: Optional[str] = FAST_ARCH, cuda: Optional[bool] = False,
+                tensorboard: bool = False, **flags) -> List[str]:
+    """The flags of a quick run, the one builder of them: ``dataset_root``'s data at
+    ``img_size`` px, ``checkpoint`` as --checkpoint, TensorBoard off unless ``tensorboard``,
+    ``arch`` (None: the script's AlexNet), --no-cuda (``cuda=True``: --cuda; None: neither,
+    the script's choice); then each of ``flags`` as ``--name value`` (None: left out), then
+    ``extra`` as given."""
+    args = ["--dataset", dataset, "--dataset_root", dataset_root, "--img_size", img_size,
+            "--checkpoint", checkpoint, "--tensorboard" if tensorboard else "--no-tensorboard"]
+    if arch is not None:
+        args += ["--arch", arch]
+    if cuda is not None:
+        args.append("--cuda" if cuda else "--no-cuda")
+    for name, value in flags.items():
+        if value is not None:
+            args += [f"--{name}", value]
+    return [str(a) for a in [*args, *extra]]
+
+
 def tiny_args(tmp: Path, dataset_root: Path, *, dataset: str = "ImageFolder",
               epochs: int = 1, batch_size: int = 16, lr: Optional[float] = None,
               tensorboard: bool = False, cuda: bool = False) -> List[str]:
-    args = ["--dataset", dataset, "--dataset_root", dataset_root, "--img_size", "64",
-            "--epochs", str(epochs), "--batch_size", str(batch_size),
-            "--cuda" if cuda else "--no-cuda",
-            "--checkpoint", tmp / "checkpoint", "--tensorboard_log", tmp / "tensorboard",
-            "--tensorboard" if tensorboard else "--no-tensorboard"]
-    if lr is not None:
-        args += ["--lr", str(lr)]
-    return [str(a) for a in args]
+    """A script's own quick run (AlexNet's), its outputs under ``tmp``: checkpoint/ and
+    tensorboard/."""
+    return quick_flags(dataset_root, tmp / "checkpoint", dataset=dataset, arch=None, cuda=cuda,
+                       tensorboard=tensorboard, epochs=epochs, batch_size=batch_size, lr=lr,
+                       tensorboard_log=tmp / "tensorboard")
 
 
 def event_files(folder: Path) -> List[Path]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO_ROOT, run_main
+from conftest import REPO_ROOT, quick_flags, run_main
 from helpers.processes import PYTHON, run, torchrun
 
 CPU = torch.device("cpu")
@@ -180,9 +180,8 @@ def test_a_stop_mid_window_saves_whole_steps_and_resume_counts_every_step(imagef
     window); --resume then ends with the 6 optimizer steps of an uninterrupted run."""
     ckpt = tmp_path / "ckpt"
     run_dir = ckpt / "train_without"
-    flags = ["--dataset", "ImageFolder", "--dataset_root", str(imagefolder_root),
-             "--img_size", "64", "--batch_size", "8", "--accum_steps", "2", "--epochs", "2",
-             "--no-cuda", "--no-tensorboard", "--checkpoint", str(ckpt), "--arch", "resnet18"]
+    flags = quick_flags(imagefolder_root, ckpt, arch="resnet18", batch_size=8, accum_steps=2,
+                        epochs=2)
     helper = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
     res = run([PYTHON, helper, "train_without", *flags], {"FAULT_SIGTERM_AT_LOSS": "3"},
               timeout=300)

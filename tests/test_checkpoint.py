@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from conftest import FAST_ARCH
+from conftest import quick_flags
 
 from ampkit.machinery import background_writer, checkpoint_writer
 
@@ -81,10 +81,8 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
 
     monkeypatch.setattr(background_writer, "atomic_save", recording)
     monkeypatch.setattr(train_without, "count_correct", forced)
-    train_without.main(["--dataset", "ImageFolder", "--dataset_root", str(imagefolder_root),
-                        "--img_size", "64", "--batch_size", "48", "--epochs", "3", "--no-cuda",
-                        "--no-tensorboard", "--checkpoint", str(tmp_path), "--arch", FAST_ARCH,
-                        "--save_every", save_every])
+    train_without.main(quick_flags(imagefolder_root, tmp_path, batch_size=48, epochs=3,
+                                   save_every=save_every))
     assert [(name, epoch) for name, epoch, _ in writes] == expected
     assert {thread for *_, thread in writes} == {"checkpoint"}, "written in the background"
     run_dir = tmp_path / "train_without"

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import socket
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import run_main
+from conftest import quick_flags, run_main
 
 CPU = torch.device("cpu")
 
@@ -24,10 +25,7 @@ def _run(script: str, argv: list, capsys=None) -> tuple:
     return tuple(run_main(script, *argv))
 
 
-def _args(root, ckpt, *extra) -> list:
-    return ["--dataset", "ImageFolder", "--dataset_root", root, "--img_size", "64",
-            "--batch_size", "48", "--epochs", "2", "--no-cuda", "--no-tensorboard",
-            "--checkpoint", ckpt, "--arch", "resnet18", *extra]
+_args = partial(quick_flags, arch="resnet18", batch_size=48, epochs=2)
 
 
 def test_skipped_steps_are_each_epochs_own():

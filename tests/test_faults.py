@@ -13,20 +13,18 @@ import pickle
 import shutil
 import signal
 import tarfile
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import FAST_ARCH, IF_TRAIN_SIZE, REPO_ROOT, run_main
+from conftest import FAST_ARCH, IF_TRAIN_SIZE, REPO_ROOT, quick_flags, run_main
 from helpers.processes import PYTHON, finish, kill_job, run, start, torchrun, wait_for
 
-def _args(root: Path, ckpt: Path, *extra: str, dataset: str = "ImageFolder") -> list:
-    """A quick in-process run on conftest.FAST_ARCH (what fails here is not the network)."""
-    return ["--dataset", dataset, "--dataset_root", str(root), "--img_size", "64",
-            "--batch_size", "48", "--epochs", "1", "--no-cuda", "--no-tensorboard",
-            "--checkpoint", str(ckpt), "--arch", FAST_ARCH, *[str(e) for e in extra]]
+# A quick in-process run on conftest.FAST_ARCH (what fails here is not the network).
+_args = partial(quick_flags, batch_size=48, epochs=1)
 
 
 def _main(script: str, argv: list, capsys=None) -> tuple:

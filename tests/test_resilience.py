@@ -6,24 +6,23 @@ import os
 import signal
 import socket
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST_ARCH, REPO_ROOT as REPO, run_main, run_script
+from conftest import REPO_ROOT as REPO, quick_flags, run_main, run_script
 from helpers.processes import PYTHON, finish, kill_job, run, start, torchrun, wait_for
 
 HELPER = REPO / "tests" / "helpers" / "faulty_train.py"
 
 
-def _tiny(root: Path, ckpt: Path, *extra: str) -> list[str]:
-    """A quick run. These tests are about resuming, signals and restarts, not the network:
-    conftest.FAST_ARCH (0.34M parameters, 2 MB checkpoints) runs them in a fraction of
-    AlexNet's time (57M parameters, 684 MB); AlexNet's own runs are in test_scripts.py."""
-    return ["--dataset", "ImageFolder", "--dataset_root", str(root), "--img_size", "64",
-            "--batch_size", "8", "--checkpoint", str(ckpt), "--no-tensorboard", "--lr", "1e-3",
-            "--arch", FAST_ARCH, *extra]
+# A quick run. These tests are about resuming, signals and restarts, not the network:
+# conftest.FAST_ARCH (0.34M parameters, 2 MB checkpoints) runs them in a fraction of AlexNet's
+# time (57M parameters, 684 MB); AlexNet's own runs are in test_scripts.py. The device: the
+# script's choice (a GPU where there is one).
+_tiny = partial(quick_flags, cuda=None, batch_size=8, lr="1e-3")
 
 
 def _epochs_logged(run_dir: Path) -> list[int]:

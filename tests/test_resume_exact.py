@@ -16,11 +16,9 @@ from typing import Iterator
 import pytest
 import torch
 
-from conftest import FSDP_ARCH, run_main
+from conftest import FSDP_ARCH, quick_flags, run_main
 
 # 6 training images, batch 4: steps of 4 and 2 images, the last one short; 2 epochs.
-FLAGS = ["--dataset", "ImageFolder", "--img_size", "32", "--arch", FSDP_ARCH, "--no-cuda",
-         "--no-tensorboard", "--batch_size", "4", "--epochs", "2", "--lr", "1e-3"]
 
 
 @contextlib.contextmanager
@@ -43,8 +41,9 @@ def _sigterm_at_loss(n: int) -> Iterator[None]:
 
 def _run(root: Path, ckpt: Path, *extra: str, stop_at_loss: int = 0) -> tuple:
     with _sigterm_at_loss(stop_at_loss):
-        return run_main("train_without", *FLAGS, "--dataset_root", str(root), "--checkpoint",
-                        str(ckpt), *extra)
+        return run_main("train_without", *quick_flags(root, ckpt, *extra, img_size=32,
+                                                      arch=FSDP_ARCH, batch_size=4, epochs=2,
+                                                      lr="1e-3"))
 
 
 def _final(ckpt: Path) -> tuple:

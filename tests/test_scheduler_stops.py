@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import re
 import signal
+from functools import partial
 
 import pytest
 import torch
 
-from conftest import FSDP_ARCH, REPO_ROOT, assert_no_traceback_of_ours, run_script
+from conftest import FSDP_ARCH, REPO_ROOT, assert_no_traceback_of_ours, quick_flags, run_script
 from helpers.processes import PYTHON, finish, kill_job, run, start, torchrun, wait_for
 from test_resume_exact import _assert_equal_states
 from test_world_size import _torchrun
@@ -21,10 +22,7 @@ HELPER = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
 pytestmark = pytest.mark.slow
 
 
-def _flags(root, ckpt, *extra):
-    return ["--dataset", "ImageFolder", "--dataset_root", str(root), "--img_size", "32",
-            "--checkpoint", str(ckpt), "--no-tensorboard", "--no-cuda", "--num_workers", "2",
-            *[str(e) for e in extra]]
+_flags = partial(quick_flags, img_size=32, arch=None, num_workers=2)  # loader workers: 2
 
 
 def _load(path):

@@ -11,17 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (FAST_ARCH, FSDP_ARCH, REPO_ROOT, assert_no_traceback_of_ours,
+from conftest import (FAST_ARCH, FSDP_ARCH, REPO_ROOT, assert_no_traceback_of_ours, quick_flags,
                       parse_accuracy)
 from helpers.processes import ScriptResult, run, torchrun
 
 HELPER = REPO_ROOT / "tests" / "helpers" / "faulty_train.py"
-
-
-def _flags(root: Path, ckpt: Path, *extra: str, arch: str = FAST_ARCH) -> list:
-    return ["--dataset", "ImageFolder", "--dataset_root", str(root), "--img_size", "64",
-            "--checkpoint", str(ckpt), "--no-tensorboard", "--no-cuda", "--arch", arch,
-            *[str(e) for e in extra]]
 
 
 def _torchrun(nproc: int, script: Path, *args: str, env: dict | None = None,
@@ -68,7 +62,7 @@ def _seeds_model(arch: str, num_classes: int, seed: int = 0) -> dict:
 def test_a_signal_to_one_rank_stops_every_rank_a_step_later(nproc, rank, signal_name, stop,
                                                              imagefolder_root, tmp_path):
     ckpt = tmp_path / "ckpt"
-    flags = _flags(imagefolder_root, ckpt, "--batch_size", "2", "--accum_steps", "2",
+    flags = quick_flags(imagefolder_root, ckpt, "--batch_size", "2", "--accum_steps", "2",
                    "--epochs", "4")
     res = _torchrun(nproc, HELPER, "train_DDP", *flags,
                     env={"FAULT_SIGTERM_AT_LOSS": "11", "FAULT_RANK": str(rank),
@@ -103,7 +97,7 @@ def test_fsdp_at_3_processes_validates_uneven_shards_and_starts_from_the_seeds_w
     which must be the seed's, as a one-process run makes them."""
     root = _with_one_more_val_image(mini_imagefolder_root, tmp_path / "data")
     ckpt = tmp_path / "ckpt"
-    flags = _flags(root, ckpt, "--batch_size", "1", "--epochs", "1", "--lr", "0",
+    flags = quick_flags(root, ckpt, "--batch_size", "1", "--epochs", "1", "--lr", "0",
                    arch=FSDP_ARCH)
     res = _torchrun(3, REPO_ROOT / "AMP" / "train_FSDP.py", *flags, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -132,7 +126,7 @@ def test_ddp_at_4_processes_with_an_empty_shard_and_an_unreadable_image(mini_ima
     bad = root / "train" / "green" / "000.png"
     bad.write_bytes(b"not an image")
     ckpt = tmp_path / "ckpt"
-    flags = _flags(root, ckpt, "--batch_size", "1", "--epochs", "1", "--lr", "0",
+    flags = quick_flags(root, ckpt, "--batch_size", "1", "--epochs", "1", "--lr", "0",
                    "--skip_bad_images")
     res = _torchrun(4, REPO_ROOT / "AMP" / "train_DDP.py", *flags, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
