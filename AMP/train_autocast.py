@@ -90,9 +90,9 @@ def main(argv=None):
             figures.begin_epoch()  # its clock and memory peak
             t.model.train()  # dropout on (count_correct turns it off)
             stats = train_one_epoch(  # the script's step on every window of the epoch
-                t.step, loader, run.info, accum_steps=args.accum_steps, start_step=start_step,
-                before=resumed.so_far_in(epoch), stop=vote, skipped=figures.skipped,
-                max_nonfinite=5,  # 5 inf/NaN losses in a row: diverged
+                t.train_step, loader, run.info, accum_steps=args.accum_steps,
+                start_step=start_step, before=resumed.so_far_in(epoch), stop=vote,
+                skipped=figures.skipped, max_nonfinite=5,  # 5 inf/NaN losses in a row: diverged
                 log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
                 input_format=data.input_format, profiler=figures.profiler(epoch))
             if stats.stopped_at is not None:  # a signal: saved at that step, for --resume

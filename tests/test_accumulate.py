@@ -58,9 +58,9 @@ def test_micro_batches_of_4_and_1_make_the_step_of_their_union():
     window = [(x.double(), y) for x, y in _batches(1, 5, 64)]
     window = [(window[0][0][:4], window[0][1][:4]), (window[0][0][4:], window[0][1][4:])]
     accumulated = train_without.build(_parts(model))
-    loss, norm = accumulated.step(window)
+    loss, norm = accumulated.train_step(window)
     whole = train_without.build(_parts(twin))
-    whole_loss, whole_norm = whole.step([(torch.cat([x for x, _ in window]),
+    whole_loss, whole_norm = whole.train_step([(torch.cat([x for x, _ in window]),
                                           torch.cat([y for _, y in window]))])
     assert _close(_grads(model), _grads(twin), 1e-10)
     moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), twin.parameters()))
@@ -88,7 +88,7 @@ def test_a_short_last_window_is_weighted_as_what_it_holds():
             twin = copy.deepcopy(model)
             nn.functional.cross_entropy(twin(window[0][0]), window[0][1]).backward()
             want.extend(_grads(twin))
-        return t.step(window)
+        return t.train_step(window)
 
     stats = train_one_epoch(step, batches, DistInfo(device=CPU), accum_steps=2)
     assert sizes == [2, 2, 1] and stats.steps == 3 and stats.images == 20
@@ -112,8 +112,8 @@ def test_clipped_gradients_with_a_scaler_are_those_without(accum_steps):
     scaled.scaler.load_state_dict(scaled.scaler.state_dict()
                                   | {"scale": 2.0 ** 16, "growth_interval": 10**6})
     plain = train_autocast.build(_parts(twin, clip_grad=0.5))
-    _, norm = scaled.step(window)
-    _, plain_norm = plain.step(window)
+    _, norm = scaled.train_step(window)
+    _, plain_norm = plain.train_step(window)
     assert norm.item() == pytest.approx(plain_norm.item(), rel=1e-6) and norm.item() > 0.5
     assert _close(_grads(net), _grads(twin), 1e-6)
     clipped = torch.linalg.vector_norm(torch.stack([g.norm() for g in _grads(net)]))
@@ -144,7 +144,8 @@ def test_every_scaler_script_accumulates_and_clips_as_at_scale_one(script, gloo_
         t.scaler.load_state_dict(t.scaler.state_dict()
                                  | {"scale": scale, "growth_interval": 10**6})
         batch = _batches(1, 5, 16)[0]
-        _, norm = t.step([(10 * batch[0][:4], batch[1][:4]), (10 * batch[0][4:], batch[1][4:])])
+        _, norm = t.train_step([(10 * batch[0][:4], batch[1][:4]),
+                                (10 * batch[0][4:], batch[1][4:])])
         grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                  for k, p in strip_prefixes(dict(t.model.named_parameters())).items()}
         made.append((norm.item(), grads, t.scaler.get_scale()))

@@ -106,7 +106,7 @@ def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
     try:
         info = this_process(dev)
         assert info.distributed == vote
-        stats = train_one_epoch(v.step, stream(), info, log_every=1000,
+        stats = train_one_epoch(v.train_step, stream(), info, log_every=1000,
                                 skipped=SkippedSteps(v.scaler, dev), input_format=cl,
                                 stop=StopVote(StopFlag(), info) if vote else None)
     finally:

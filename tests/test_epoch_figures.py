@@ -44,8 +44,8 @@ def test_skipped_steps_are_each_epochs_own():
     batches = [(1000 * torch.randn(4, 3, 16, 16, generator=gen),
                 torch.randint(0, 3, (4,), generator=gen)) for _ in range(12)]
     skipped, info = SkippedSteps(t.scaler, CPU), DistInfo(device=CPU)
-    first = train_one_epoch(t.step, batches, info, max_nonfinite=None, skipped=skipped)
-    second = train_one_epoch(t.step, batches, info, max_nonfinite=None, skipped=skipped)
+    first = train_one_epoch(t.train_step, batches, info, max_nonfinite=None, skipped=skipped)
+    second = train_one_epoch(t.train_step, batches, info, max_nonfinite=None, skipped=skipped)
     assert 1 <= first.skipped < 12, first
     assert second.skipped == 0, "the second epoch counted the first epoch's skips"
     assert t.scaler.get_scale() < 2.0 ** 127
@@ -64,7 +64,7 @@ def test_peak_memory_is_each_epochs_own(imagefolder_root, tmp_path, capsys, monk
 
     def build(parts):
         t = real_build(parts)
-        step = t.step
+        step = t.train_step
 
         def step_with_a_spike(window):
             calls.append(1)
@@ -73,7 +73,7 @@ def test_peak_memory_is_each_epochs_own(imagefolder_root, tmp_path, capsys, monk
                 del spike
             return step(window)
 
-        t.step = step_with_a_spike
+        t.train_step = step_with_a_spike
         return t
 
     monkeypatch.setattr(train_without, "build", build)

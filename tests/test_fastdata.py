@@ -239,7 +239,7 @@ def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
     for epoch in range(epochs):
         train_dl.sampler.sampler.set_epoch(epoch)
         model.train()
-        losses.append(train_one_epoch(v.step, train_dl, info()).loss)
+        losses.append(train_one_epoch(v.train_step, train_dl, info()).loss)
     correct, total = count_correct(model, val_dl, info()).tolist()
     return correct / total, losses
 

@@ -131,13 +131,13 @@ def windows(loader: Iterable, accum_steps: int, device: torch.device,
                 y.to(device, non_blocking=True)) for x, y in window], waited
 
 
-def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: str = "train",
+def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, desc: str = "train",
                     start_step: int = 0, log_every: int = 20, max_nonfinite: Optional[int] = 5,
                     stop: Optional[StopVote] = None, skipped: Optional[SkippedSteps] = None,
                     input_format: torch.memory_format = torch.preserve_format,
                     profiler=None, accum_steps: int = 1,
                     before: Optional[dict] = None) -> EpochStats:
-    """Run ``step_fn`` on every window of ``accum_steps`` batches of ``loader``: one optimizer
+    """Run ``train_step`` on every window of ``accum_steps`` batches of ``loader``: one optimizer
     step each. ``start_step``, ``log_every`` and the progress bar count optimizer steps.
     ``stop``: the ranks' vote, taken after every step (no host sync); when it says so, the
     epoch ends there on every rank (``EpochStats.stopped_at``). ``max_nonfinite=None``: no
@@ -159,7 +159,7 @@ def train_one_epoch(step_fn: Step, loader: Iterable, info: DistInfo, *, desc: st
         for window, waited in windows(loader, accum_steps, device, input_format):
             data_seconds += waited  # host time waiting for input
             with skipped.watch():
-                loss, norm = step_fn(window)
+                loss, norm = train_step(window)
             tally.add(loss, sum(y.shape[0] for _, y in window), norm, skipped.last)
             step, steps_done = step + 1, steps_done + 1
             bar.update(1)

@@ -51,7 +51,7 @@ class Technique:
     shared code runs, checkpoints and logs."""
     model: nn.Module                           # as wrapped by the script (DP, DDP, FSDP2)
     optimizer: torch.optim.Optimizer           # made by the script, over what it trains
-    step: Step                                 # one optimizer step over a window of micro-batches
+    train_step: Step                           # one optimizer step over a window of micro-batches
     autocast: Optional[torch.autocast] = None  # validation runs under it too
     scaler: Optional[torch.amp.GradScaler] = None
     param_dtype: Optional[torch.dtype] = None  # FSDP2's MixedPrecisionPolicy: the compute dtype

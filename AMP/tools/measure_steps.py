@@ -174,7 +174,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     def run(n: int, **kw):  # n optimizer steps, over the pool's batches in turn
         micro = [pool[i % len(pool)] for i in range(n * accum_steps)]
         with _all_reduce_every_micro_batch() if keep_sync else contextlib.nullcontext():
-            return train_one_epoch(t.step, micro, info, skipped=skipped, input_format=fmt,
+            return train_one_epoch(t.train_step, micro, info, skipped=skipped, input_format=fmt,
                                    accum_steps=accum_steps, stop=vote, **kw)
 
     if warmup > 0:

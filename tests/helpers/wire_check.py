@@ -52,7 +52,7 @@ def one_step(script, hook: CommHook):
     torch.manual_seed(5)  # the same dropout in every run, on every rank
     t = script.build(Parts(torch.device("cpu"), copy.deepcopy(model), nn.CrossEntropyLoss(),
                            amp_dtype=torch.bfloat16, comm_hook=hook))
-    t.step(window)
+    t.train_step(window)
     return {name: p.grad.clone() for name, p in t.model.named_parameters()}
 
 
@@ -85,7 +85,7 @@ poisoned = [(images.clone().index_put_((torch.tensor(0),), torch.tensor(float("i
 for step in range(9):
     before = hook.bytes_sent
     with skipped.watch():
-        loss, _ = t.step(poisoned if step == 4 else window)
+        loss, _ = t.train_step(poisoned if step == 4 else window)
     per_step.append(hook.bytes_sent - before)
     losses.append(loss.item())
     if step == 4 and not skipped.last.item():
@@ -112,7 +112,7 @@ def fsdp_step(reduce_dtype: torch.dtype) -> dict:
     t = train_FSDP_mixed.build(Parts(torch.device("cpu"), copy.deepcopy(small),
                                      nn.CrossEntropyLoss(), amp_dtype=torch.bfloat16,
                                      reduce_dtype=reduce_dtype))
-    t.step(window[:3])  # as many micro-batches on every rank: each forward gathers
+    t.train_step(window[:3])  # as many micro-batches on every rank: each forward gathers
     return {name: p.grad.full_tensor() for name, p in t.model.named_parameters()}
 
 
