@@ -36,7 +36,7 @@ import torch
 
 from ampkit.machinery.data import default_workers
 from ampkit.machinery.hardware_use import fp32_peak_math, peak_tflops
-from ampkit.machinery.process import UserError, want_cuda
+from ampkit.machinery.process import UserError, report_user_errors, want_cuda
 from ampkit.precision import cpu_has_fast_bf16, set_tf32
 from tools import measure_input, measure_steps, tables
 from tools.bench_flags import PIPELINES, parse_args
@@ -102,15 +102,12 @@ def time_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
     return results
 
 
+@report_user_errors  # a user's mistake: one line, exit status 2; Ctrl-C: one line, 130
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 alone prints and writes
         sys.stdout, args.json = open(os.devnull, "w"), None
-    try:
-        device = torch.device("cuda" if want_cuda(args.cuda) else "cpu")
-    except UserError as e:
-        print(f"benchmark.py: error: {e}", file=sys.stderr)
-        return 2
+    device = torch.device("cuda" if want_cuda(args.cuda) else "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"

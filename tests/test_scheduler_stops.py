@@ -1,6 +1,7 @@
 """Stops as schedulers send them: a signal to a whole process group (the DataLoader workers
 included), one process or a DDP job under torchrun; then --resume finishes the run -- and
-at 2 ranks it ends bit for bit as the run that never stopped. (SIGUSR1's stop and resume at
+at 2 ranks it ends bit for bit as the run that never stopped. Ctrl-C to the benchmark's
+input pipeline, loader workers included, is one line. (SIGUSR1's stop and resume at
 2 ranks: test_stop_rule.py; through SLURM and torchrun: bench/slurm_check.sh.)
 Real interpreters: what is tested is the processes' exit status, streams and teardown."""
 from __future__ import annotations
@@ -8,13 +9,16 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
+from pathlib import Path
 from functools import partial
 
 import pytest
 import torch
 
 from conftest import FSDP_ARCH, REPO_ROOT, assert_no_traceback_of_ours, quick_flags, run_script
-from helpers.processes import PYTHON, finish, kill_job, run, start, torchrun, wait_for
+from helpers.processes import (PYTHON, children, finish, kill_job, run, start, torchrun,
+                               wait_for)
 from test_resume_exact import _assert_equal_states
 from test_world_size import _torchrun
 
@@ -87,3 +91,22 @@ def test_sigterm_to_a_whole_torchrun_job_stops_it_and_the_resume_ends_bit_for_bi
     want, got = (_load(folder / "train_DDP" / "last.pth") for folder in (whole, ckpt))
     for key in ("model", "optimizer", "epoch", "step", "best_acc"):
         _assert_equal_states(got[key], want[key], key)
+
+
+def test_ctrl_c_to_the_benchmark_with_loader_workers_is_one_line_and_leaves_no_process(tmp_path):
+    """The benchmark's input pipeline on the classic path, two DataLoader workers: Ctrl-C to
+    the whole group (a terminal's) while it runs. The workers ignore it and end with their
+    process; the benchmark says so in one line, exit status 130, no traceback."""
+    proc = start([PYTHON, "AMP/benchmark.py", "--variants", "none", "--pipeline", "classic",
+                  "--num_workers", "2", "--batch_size", "2", "--img_size", "64",
+                  "--pipeline_batches", "200", "--repeat", "1000", "--no-cuda",
+                  "--dataset_root", tmp_path / "generated"])
+    wait_for(lambda: len(children(proc.pid)) == 2, 120, proc)  # its loader's workers
+    workers = children(proc.pid)
+    time.sleep(1.0)  # batches in flight
+    kill_job(proc.pid, signal.SIGINT)
+    code, out, err = finish(proc, 60)
+    assert code == 130, err[-3000:]
+    assert err.splitlines()[-1] == "benchmark.py: interrupted", err[-3000:]
+    assert_no_traceback_of_ours(out, err) and "Traceback" not in err, err[-3000:]
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 10)

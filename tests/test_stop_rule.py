@@ -11,14 +11,13 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from helpers import group_check
-from helpers.processes import run
+from helpers.processes import children, run
 
 TIMEOUT = 240  # seconds for the whole check; a hang fails it instead of the suite
 
@@ -72,19 +71,6 @@ def test_validation_of_a_sharded_model_runs_as_many_forwards_on_every_rank(ranks
 
 
 
-def _children() -> set:
-    """This process's living child processes (from /proc: their parent, not zombies)."""
-    kids = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):
-            continue
-        if entry.name.isdigit() and int(parent) == os.getpid() and state != "Z":
-            kids.add(int(entry.name))
-    return kids
-
-
 def test_loader_workers_ignore_stop_signals_from_outside_but_end_with_their_process(
         imagefolder_root):
     """The classic loader's workers go on through a SIGTERM, SIGUSR1 or SIGINT that another
@@ -95,12 +81,12 @@ def test_loader_workers_ignore_stop_signals_from_outside_but_end_with_their_proc
     from ampkit.machinery.process import DistInfo
 
     info = DistInfo(torch.device("cpu"))
-    before = _children()
+    before = children()
     loader = train_loader(build_datasets("ImageFolder", imagefolder_root, 32, info).train, 4, 2,
                           info)
     batches = iter(loader)
     next(batches)
-    workers = _children() - before
+    workers = children() - before
     assert len(workers) == 2, workers
     for sig in ("TERM", "USR1", "INT"):
         # From a process that is not their parent (which they obey), as a scheduler's.
@@ -110,6 +96,6 @@ def test_loader_workers_ignore_stop_signals_from_outside_but_end_with_their_proc
     for pid in workers:
         os.kill(pid, signal.SIGTERM)  # from their own main process
     deadline = time.monotonic() + 10
-    while workers & _children() and time.monotonic() < deadline:
+    while workers & children() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not workers & _children()
+    assert not workers & children()

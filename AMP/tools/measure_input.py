@@ -12,10 +12,13 @@ Without CIFAR-10 under ``root``, generated images in CIFAR-10's on-disk format a
 """
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader
@@ -66,6 +69,32 @@ def _pipeline(kind: str, root: Path, img_size: int, batch_size: int, num_workers
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
+@contextlib.contextmanager
+def _ctrl_c_between_batches() -> Iterator[Callable[[], None]]:
+    """Ctrl-C held until the batch in flight has arrived, then a KeyboardInterrupt (a second
+    Ctrl-C: at once). One that lands while a loader worker hands its batch's shared memory
+    over leaves that worker a traceback. Yields the check to make after each batch."""
+    pressed: List[int] = []
+
+    def held(signum, frame) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(signum)
+
+    def check() -> None:
+        if pressed:
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():  # no handler there
+        yield check
+        return
+    previous = signal.signal(signal.SIGINT, held)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _endless(loader) -> Iterator:
     """The loader's batches, epoch after epoch (a new permutation each epoch)."""
     epoch = 0
@@ -103,19 +132,24 @@ def measure_input_pipeline(kind: str, *, root: Optional[Path] = None, img_size: 
         loader = _pipeline(kind, data_root, img_size, batch_size, num_workers, info,
                            channels_last)
         batches = _endless(loader)
-        for _ in range(warmup):  # worker start-up, first allocations: not counted
-            next(batches)[0].to(device, non_blocking=True)
-        synchronize(device)
-        t0 = time.perf_counter()
-        images = 0
-        for _ in range(max_batches if max_batches is not None else len(loader)):
-            x, y = next(batches)
-            images += x.to(device, non_blocking=True).shape[0]
-            y.to(device, non_blocking=True)
-        synchronize(device)
-        seconds = time.perf_counter() - t0
-        batches.close()
-        del batches, loader  # stops persistent workers before the data folder goes
+        with _ctrl_c_between_batches() as ctrl_c:
+            try:
+                for _ in range(warmup):  # worker start-up, first allocations: not counted
+                    next(batches)[0].to(device, non_blocking=True)
+                    ctrl_c()
+                synchronize(device)
+                t0 = time.perf_counter()
+                images = 0
+                for _ in range(max_batches if max_batches is not None else len(loader)):
+                    x, y = next(batches)
+                    images += x.to(device, non_blocking=True).shape[0]
+                    y.to(device, non_blocking=True)
+                    ctrl_c()
+                synchronize(device)
+                seconds = time.perf_counter() - t0
+            finally:  # persistent workers stopped before the data folder goes
+                batches.close()
+                del batches, loader
     return images / seconds
 
 

@@ -16,6 +16,7 @@ repository root, in a session of its own, as a user's shell or a batch scheduler
 ``kill_job(pid, sig)``: ``sig`` to the whole process group of a job started here (torchrun,
     its workers and their loader workers), as a scheduler signals one.
 ``wait_for(pred, timeout, proc=None)``: poll until ``pred()``; fails if ``proc`` ends first.
+``children(pid)``: the living child processes of ``pid`` (a loader's workers, say).
 ``clean_output(text)``: what a terminal finally shows on each line (the part after the last
     ``\\r``), blank lines and tqdm's bars dropped.
 """
@@ -178,3 +179,18 @@ def wait_for(pred: Callable[[], bool], timeout: float,
                 pytest.fail(f"timed out after {timeout} s:\n{finish(proc, 10).describe()[-3000:]}")
             pytest.fail(f"timed out after {timeout} s")
         time.sleep(0.05)
+
+
+def children(pid: Optional[int] = None) -> set:
+    """The living child processes of ``pid`` (default: this process), from /proc: their
+    parent, zombies left out."""
+    pid = os.getpid() if pid is None else pid
+    kids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if entry.name.isdigit() and int(parent) == pid and state != "Z":
+            kids.add(int(entry.name))
+    return kids
