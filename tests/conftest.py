@@ -27,9 +27,8 @@ Fixtures (session-scoped, generated once per test session, never touching the re
 Functions:
 
 Running a script: ``run_main`` (in this process, tests/helpers/in_process.py) and
-``start`` / ``finish`` / ``run`` / ``run_script`` / ``kill_job`` (a real interpreter,
-tests/helpers/processes.py), re-exported here with ``PYTHON``, ``clean_output`` and
-``ScriptResult``.
+``run_script`` (a real interpreter; tests/helpers/processes.py has the rest), re-exported
+here with ``ScriptResult``.
 ``parse_accuracy(stdout)`` -> ``(correct, total)`` from the eval scripts' ``correct/total = acc``.
 ``assert_no_traceback_of_ours(stdout, stderr)``: no traceback through the project's code in
     either stream (torchrun's own report of its workers' exit is allowed).
@@ -54,9 +53,8 @@ import numpy as np
 import pytest
 
 from helpers.in_process import run_main  # noqa: F401  (re-exported for the test files)
-from helpers.processes import (AMP_DIR, PYTHON, REPO_ROOT, ScriptResult, clean_output,  # noqa: F401
-                               finish, kill_job, kill_live_jobs_then_die, run, run_script, start,
-                               wait_for)
+from helpers.processes import (AMP_DIR, REPO_ROOT, ScriptResult, clean_output,  # noqa: F401
+                               kill_live_jobs_then_die, run_script)
 
 if str(AMP_DIR) not in sys.path:
     sys.path.insert(0, str(AMP_DIR))
