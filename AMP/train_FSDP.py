@@ -29,7 +29,7 @@ from ampkit.machinery.data import build_loaders
 from ampkit.machinery.log import header_line
 from ampkit.machinery.process import report_user_errors
 from ampkit.models import shard_units
-from ampkit.train import EpochFigures, RunFolder, restore, resume
+from ampkit.train import EpochFigures, RunFolder, Saver, restore, resume, stop_vote
 
 
 def build(parts: Parts) -> Technique:
@@ -94,50 +94,53 @@ def main(argv=None):
             t = build(parts)  # the model as the script wraps it, its optimizer and step
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max",
                                                                    patience=3)
-            log = run.logger(resumed)  # rank 0 prints, writes log.jsonl and TensorBoard
-            restore(resumed, t, scheduler, parts.comm_hook, args, log)  # its saved states
-            if args.compile:
-                compile_in_place(t.model)  # torch.compile, around the wrapper
-            saver = run.saver(resumed, data.num_classes)  # last.pth, best.pth: rank 0 writes
-            vote = run.stop_vote()  # a signal: a stop, at the same step on every rank
-            figures = EpochFigures(args, run, t, parts, resumed, loaders=(loader, data.val))
-            log.print(header_line(args, run.info, t, data, run.fp32_math))  # what trains, how
-
             full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # to rank 0's CPU
 
-            def checkpoint():  # every rank gathers the full state from the shards; rank 0 writes
+            def checkpoint():  # every rank gathers the full state of the shards; rank 0 writes
                 return {"model": get_model_state_dict(t.model, options=full),
                         "optimizer": get_optimizer_state_dict(t.model, t.optimizer, options=full),
                         "scheduler": scheduler.state_dict()}
 
-            for epoch in range(resumed.epoch, args.epochs):  # from a resumed run's epoch on
-                sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
-                start_step = resumed.step_in(epoch)  # a resumed epoch's: where its stop saved
-                loader.sampler.start_index = start_step * args.batch_size * args.accum_steps
-                figures.begin_epoch()  # its clock and memory peak
-                t.model.train()  # dropout on (count_correct turns it off)
-                stats = train_one_epoch(  # the script's step on every window of the epoch
-                    t.train_step, loader, run.info, accum_steps=args.accum_steps,
-                    start_step=start_step, before=resumed.so_far_in(epoch), stop=vote,
-                    skipped=figures.skipped, max_nonfinite=5,  # 5 inf/NaN losses in a row: diverged
-                    log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
-                    input_format=data.input_format, profiler=figures.profiler(epoch))
-                if stats.stopped_at is not None:  # a signal: every rank stopped at this step
-                    saver.save_stop(checkpoint, epoch, stopped=stats)  # at that step, its figures
-                    break
-                counts = count_correct(  # tensor([correct, seen]) of this rank's shard
-                    t.model, data.val, run.info, t.autocast, desc="val",
-                    input_format=data.input_format, image_shape=data.image_shape)
-                dist.all_reduce(counts)  # summed: exact (the article divided each rank's own count)
-                correct, seen = counts.tolist()
-                scheduler.step(correct / seen)  # on validation accuracy (mode="max")
-                saver.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
-                log.epoch(figures.row(epoch, stats, (correct, seen)) | saver.timing, args.epochs,
-                          (correct, seen))  # its line, log.jsonl, TensorBoard; row: every rank
-                if vote.now():  # every rank: a signal during validation, the save or the log
-                    saver.save_stop(checkpoint, epoch + 1)  # unless last.pth is this point
-                    break
-            run.end(figures)  # the last save written; the summary, or where a stop saved
+            # Rank 0's logger, the saver (rank 0 writes last.pth and best.pth, in the background),
+            # the stop vote (a stop at the same step on every rank); closed in reverse at the end.
+            with (run.logger(resumed) as log,
+                  Saver(run.dir, args, run.info, resumed, data.num_classes) as saver,
+                  stop_vote(run.info, log.print) as vote):
+                restore(resumed, t, scheduler, parts.comm_hook, args, log)  # its saved states
+                if args.compile:
+                    compile_in_place(t.model)  # torch.compile, around the wrapper
+                figures = EpochFigures(args, run, t, parts, resumed, loaders=(loader, data.val),
+                                       log=log)
+                log.print(header_line(args, run.info, t, data, run.fp32_math))  # what trains, how
+
+                for epoch in range(resumed.epoch, args.epochs):  # from a resumed run's epoch on
+                    sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
+                    start_step = resumed.step_in(epoch)  # a resumed epoch's: where its stop saved
+                    loader.sampler.start_index = start_step * args.batch_size * args.accum_steps
+                    figures.begin_epoch()  # its clock and memory peak
+                    t.model.train()  # dropout on (count_correct turns it off)
+                    stats = train_one_epoch(  # the script's step on every window of the epoch
+                        t.train_step, loader, run.info, accum_steps=args.accum_steps,
+                        start_step=start_step, before=resumed.so_far_in(epoch), stop=vote,
+                        skipped=figures.skipped, max_nonfinite=5,  # 5 inf/NaN in a row: diverged
+                        log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
+                        input_format=data.input_format, profiler=figures.profiler(epoch))
+                    if stats.stopped_at is not None:  # a signal: every rank stopped at this step
+                        saver.save_stop(checkpoint, epoch, stopped=stats)  # with its figures
+                        break
+                    counts = count_correct(  # tensor([correct, seen]) of this rank's shard
+                        t.model, data.val, run.info, t.autocast, desc="val",
+                        input_format=data.input_format, image_shape=data.image_shape)
+                    dist.all_reduce(counts)  # exact (the article divided each rank's own count)
+                    correct, seen = counts.tolist()
+                    scheduler.step(correct / seen)  # on validation accuracy (mode="max")
+                    saver.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
+                    row = figures.row(epoch, stats, (correct, seen))  # every rank: it gathers
+                    log.epoch(row | saver.timing, args.epochs, (correct, seen))  # line, jsonl, TB
+                    if vote.now():  # a signal during validation, the save or the log
+                        saver.save_stop(checkpoint, epoch + 1)  # unless last.pth is this point
+                        break
+                run.end(figures, saver, vote, log)  # the summary, or where a stop saved
     finally:
         dist.destroy_process_group()  # leave the group (the article never did)
     return run.status  # 0, or 128 + the signal after a stop

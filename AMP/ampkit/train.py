@@ -1,13 +1,16 @@
 """What a training run stands on, in the calls each script makes in view (``AMP/train_DDP.py``).
 
 - :class:`RunFolder` (``with RunFolder(args, device) as run``): the run folder and its
-  lock, the checkpoint to resume, what the run keeps there (``run.logger``, ``run.saver``,
-  closed with it), the stop vote (``run.stop_vote``: its signal handlers restored with it),
-  and the run's last line (``run.end``); ``run.status``: 0, or 128 + a stop's signal.
+  lock, the checkpoint to resume (``run.resume_path``), the logger of its files
+  (``run.logger``), and the run's last line (``run.end``); ``run.status``: 0, or 128 + a
+  stop's signal.
+- :func:`stop_vote` (``with stop_vote(run.info, log.print) as vote``): the signal handlers
+  that ask for a stop, and the vote that makes it at the same step on every rank.
 - :func:`resume` (before ``build()`` wraps the network) and :func:`restore` (after it): a
   resumed run's weights and random streams, then its optimizer, schedule, scaler and comm
   hook states.
-- :class:`Saver`: last.pth as ``--save_every`` says, best.pth at a new best, a stop's save.
+- :class:`Saver` (a ``with`` too): last.pth as ``--save_every`` says, best.pth at a new
+  best, a stop's save; after a second Ctrl-C, what was saved, in one line.
 - :class:`EpochFigures`: an epoch's clock, memory peak and TFLOP/s; its log row.
 
 Every rank calls every function and method here, in the same order: the resume's agreement,
@@ -16,11 +19,12 @@ the save's time and random streams, the row's peaks are collectives. What rank 0
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -46,76 +50,65 @@ Checkpoint = Callable[[], dict]  # a script's: {"model": the unwrapped weights, 
 
 
 class RunFolder:
-    """The run folder and the run's last line (module docstring)."""
+    """The run folder and its lock, the checkpoint to resume, and the run's last line
+    (module docstring)."""
 
     def __init__(self, args, device: Optional[torch.device] = None) -> None:
         self.args, self.status, self.t_start, self.lock = args, 1, time.perf_counter(), None
-        self.log: Optional[RunLogger] = None  # run.logger()'s
-        self._saver = self._signals = self._vote = None
         self.info = this_process(device or single_process_device(args.cuda))
         try:
             self.fp32_math = cuda_math(args.tf32, self.info.device)  # --tf32; cuDNN's kernels
             self.dir, self.lock, self.tb_dir = claim_folders(args, self.info.is_main)
             # rank 0's choice of the file to resume from, every rank's to read
             self.resume_path = agreed_resume_path(args, self.dir, self.info)
-        except BaseException:
-            self._close(finished=False)
+        except BaseException:  # a run that could not start leaves the folder to the next
+            if self.lock is not None:
+                self.lock.release()
             raise
 
     def logger(self, resumed: Resumed) -> RunLogger:
-        """Rank 0's lines, log.jsonl and TensorBoard scalars (a resumed run's after its epoch)."""
-        self.log = RunLogger(self.info.is_main, self.tb_dir, self.dir / "log.jsonl",
-                              resume_epoch=resumed.epoch if resumed.path else None)
-        return self.log
+        """Rank 0's lines, log.jsonl and TensorBoard scalars here (a resumed run's after its
+        epoch); closed at the end of its ``with``."""
+        return RunLogger(self.info.is_main, self.tb_dir, self.dir / "log.jsonl",
+                         resume_epoch=resumed.epoch if resumed.path else None)
 
-    def saver(self, resumed: Resumed, num_classes: int) -> "Saver":
-        self._saver = Saver(self.dir, self.args, self.info, resumed, num_classes)
-        return self._saver
-
-    def stop_vote(self) -> StopVote:
-        """From now on SIGTERM, SIGINT and SIGUSR1 ask for a stop, which the vote makes at the
-        same step on every rank (machinery/signals.py says the rule)."""
-        flag = StopFlag()
-        self._signals, self._vote = StopSignals(flag, self.log.print), StopVote(flag, self.info)
-        self._signals.install()
-        return self._vote
-
-    def end(self, figures: "EpochFigures") -> None:
+    def end(self, figures: "EpochFigures", saver: "Saver", vote: StopVote,
+            log: RunLogger) -> None:
         """After the epochs: the last save written, the run's last vote (a signal during the
         last epoch's end), then the last line: the summary, or where a stop saved."""
-        args, saver, vote = self.args, self._saver, self._vote
+        args = self.args
         if saver.stopped_at is None and saver.resumed.epoch < args.epochs:
             saver.policy.finish()  # the last save, which may still be in flight
             if vote.now():
                 saver.stopped_at = (args.epochs, 0)
-            self.log.print(summary_line(args, time.perf_counter() - self.t_start,
-                                         figures.train_seconds, saver.best_acc, saver.best_epoch,
-                                         self.dir, self.tb_dir, figures.mean()))
+            log.print(summary_line(args, time.perf_counter() - self.t_start,
+                                   figures.train_seconds, saver.best_acc, saver.best_epoch,
+                                   self.dir, self.tb_dir, figures.mean()))
         self.status = 0
         if saver.stopped_at is not None:
-            self.log.print(stopped_line(vote.flag, *saver.stopped_at, self.dir / ckpt_io.LAST,
-                                         args.epochs))
+            log.print(stopped_line(vote.flag, *saver.stopped_at, self.dir / ckpt_io.LAST,
+                                   args.epochs))
             self.status = exit_status(vote.flag.agreed)
 
     def __enter__(self) -> "RunFolder":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._close(finished=exc_type is None)
-        if exc_type is KeyboardInterrupt and self._saver is not None:  # a second Ctrl-C: say
-            raise Interrupted(*self._saver.policy.abandon()) from None  # what was saved; go
-
-    def _close(self, finished: bool) -> None:
-        """Handlers, logs and the folder released; ``finished`` (every rank got to the end, so
-        no peer is gone): first a barrier, so that none tears down links a peer still uses."""
-        if self._signals is not None:  # a rank of several ignores them as it exits, whatever
-            self._signals.restore(exiting=self.info.world_size > 1)  # the end: its status stands
-        if self.log is not None:
-            self.log.close()
-        if finished:
+        """The folder released; if every rank got to the end (so no peer is gone), first a
+        barrier, so that none tears down links a peer still uses."""
+        if exc_type is None:
             barrier(self.info)
         if self.lock is not None:
             self.lock.release()
+
+
+@contextlib.contextmanager
+def stop_vote(info: DistInfo, say: Callable[[str], None]) -> Iterator[StopVote]:
+    """Within it SIGTERM, SIGINT and SIGUSR1 ask for a stop, which the vote makes at the same
+    step on every rank (machinery/signals.py says the rule); the handlers go with it."""
+    flag = StopFlag()
+    with StopSignals(flag, say, exiting=info.world_size > 1):
+        yield StopVote(flag, info)
 
 
 def resume(path: Optional[Path], model: nn.Module, args, info: DistInfo) -> Resumed:
@@ -163,6 +156,13 @@ class Saver:
         self.timing: dict = {}  # the last save's, for its epoch's row
         self.stopped_at: Optional[tuple] = None  # (epochs done, step) where a stop saved
 
+    def __enter__(self) -> "Saver":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is KeyboardInterrupt:  # a second Ctrl-C: say what was saved; go
+            raise Interrupted(*self.policy.abandon()) from None
+
     def save(self, checkpoint: Checkpoint, epochs_done: int, val_acc: float) -> None:
         """After ``epochs_done`` epochs: last.pth as ``--save_every`` says (its time: on any
         rank's clock), best.pth at a new best."""
@@ -208,8 +208,8 @@ class EpochFigures:
     hook with nothing to send) is said once, here."""
 
     def __init__(self, args, run: RunFolder, t: Technique, parts: Parts, resumed: Resumed,
-                 loaders: tuple) -> None:
-        info, log = run.info, run.log
+                 loaders: tuple, log: RunLogger) -> None:
+        info = run.info
         self.args, self.info, self.t, self.parts, self.resumed = args, info, t, parts, resumed
         self.loaders, self.log, self.profile_dir = loaders, log, run.dir / "profile"
         self.dp = any(isinstance(m, nn.DataParallel) for m in t.model.modules())

@@ -121,6 +121,12 @@ class RunLogger:
                      | ({"amp/grad_scale": scale, "amp/skipped_steps": row["skipped_steps"]}
                         if scale is not None else {}), row["epoch"])
 
+    def __enter__(self) -> "RunLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -77,10 +77,15 @@ class StopFlag:
 
 
 class StopSignals:
-    """The run's handlers for :data:`SIGNALS`, from :meth:`install` to :meth:`restore`."""
+    """The run's handlers for :data:`SIGNALS`, within its ``with``. ``exiting`` (one of
+    several processes): at the end the signals are ignored instead of restored, as the
+    process is on its way to exit (stopped, finished or failed) before the ranks' last
+    barrier, so that torchrun's SIGTERM to the workers still tearing down, once the first
+    has exited, cannot turn their exit status (128 + signal, or a lost peer's one line) into
+    a kill."""
 
-    def __init__(self, stop: StopFlag, say: Callable[[str], None]) -> None:
-        self.stop, self.say = stop, say
+    def __init__(self, stop: StopFlag, say: Callable[[str], None], exiting: bool) -> None:
+        self.stop, self.say, self.exiting = stop, say, exiting
         self._previous: Dict[int, object] = {}
 
     def _handler(self, signum, frame) -> None:
@@ -91,19 +96,15 @@ class StopSignals:
         self.say(f"\n{name} received: stopping after this optimizer step (several processes: "
                  "all of them, after the next)")
 
-    def install(self) -> None:
+    def __enter__(self) -> "StopSignals":
         for sig in SIGNALS:
             self._previous.setdefault(sig, signal.getsignal(sig))
             signal.signal(sig, self._handler)
+        return self
 
-    def restore(self, exiting: bool = False) -> None:
-        """The previous handlers back. ``exiting`` (one of several processes, on its way to
-        exit: stopped, finished or failed): the signals ignored instead, before the ranks'
-        last barrier, so that torchrun's SIGTERM to the workers still tearing down, once the
-        first has exited, cannot turn their exit status (128 + signal, or a lost peer's one
-        line) into a kill."""
+    def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, signal.SIG_IGN if exiting else handler)
+            signal.signal(sig, signal.SIG_IGN if self.exiting else handler)
         self._previous.clear()
 
 
