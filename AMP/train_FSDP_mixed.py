@@ -147,7 +147,7 @@ def main(argv=None):
                     saver.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
                     row = figures.row(epoch, stats, (correct, seen))  # every rank: it gathers
                     log.epoch(row | saver.timing, args.epochs, (correct, seen))  # line, jsonl, TB
-                    if vote.now():  # a signal during validation, the save or the log
+                    if vote.any_rank_asked():  # a signal during validation, the save or the log
                         saver.save_stop(checkpoint, epoch + 1)  # unless last.pth is this point
                         break
                 run.end(figures, saver, vote, log)  # the summary, or where a stop saved

@@ -3,7 +3,8 @@ FSDP2 script joins itself (``train_DDP.py``): torchrun's environment (under plai
 ``python``, a group of one on a free local port), a store that keeps a restarted attempt's
 keys apart from the previous attempt's, this process's :class:`DistInfo`, the sums, maxima
 and gathers the loop and the logs need, the ranks' stop vote, what is resumed (and an
-FSDP2 optimizer's saved state, sharded again), and each rank's random streams. With CUDA the backend is NCCL, on the CPU gloo.
+FSDP2 optimizer's saved state, sharded again), and each rank's random streams. With CUDA
+the backend is NCCL, on the CPU gloo.
 
 Each function here that takes ``info`` is a collective in a process group: every rank
 calls it, at the same point of the run, or the others wait (``GROUP_TIMEOUT``). In one
@@ -138,14 +139,15 @@ class StopVote:
         return self.flag.requested
 
     def after_step(self) -> bool:
-        """After each optimizer step: True when every rank stops now."""
+        """After each optimizer step, with no wait: True when every rank stops now (on the
+        vote cast after the step before)."""
         if self.group is None:
             return self._alone()
         stop = self._count()
         self._cast()
         return stop
 
-    def now(self) -> bool:
+    def any_rank_asked(self) -> bool:
         """At an epoch's end and at the run's (blocking): whether any rank asked to stop by
         now; also takes the pending vote, so none is left in flight."""
         if self.group is None:

@@ -170,7 +170,8 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, desc:
                 break
             if step % log_every == 0:
                 _host_check(tally, bar, info, max_nonfinite, step)
-    if stop is not None and stop.now() and stopped_at is None:  # asked during the last step
+    # Asked during the last step? (Always called: it takes the vote still in flight.)
+    if stop is not None and stop.any_rank_asked() and stopped_at is None:
         stopped_at = step
     return _epoch_stats(tally, skipped, info, max_nonfinite, step, t0,
                         dict(steps=steps_done, stopped_at=stopped_at,

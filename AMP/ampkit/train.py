@@ -79,7 +79,7 @@ class RunFolder:
         args = self.args
         if saver.stopped_at is None and saver.resumed.epoch < args.epochs:
             saver.policy.finish()  # the last save, which may still be in flight
-            if vote.now():
+            if vote.any_rank_asked():
                 saver.stopped_at = (args.epochs, 0)
             log.print(summary_line(args, time.perf_counter() - self.t_start,
                                    figures.train_seconds, saver.best_acc, saver.best_epoch,
