@@ -132,7 +132,7 @@ def test_every_scaler_script_accumulates_and_clips_as_at_scale_one(script, gloo_
     mixed precision takes the scaler in float16."""
     import importlib
 
-    from ampkit.machinery.checkpoint import strip_prefixes
+    from ampkit.machinery.checkpoint_files import strip_prefixes
 
     dtype = torch.float16 if script == "train_FSDP_mixed" else None
     made = []

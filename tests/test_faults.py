@@ -467,7 +467,7 @@ ESCAPED = [b"h\x07.", b"\x80\x02(.", b"}(K\x01h\x02u.",
 
 @pytest.mark.filterwarnings("error")  # no warning noise either
 def test_random_bytes_are_never_a_traceback(tmp_path):
-    from ampkit.machinery import checkpoint as ckpt_io
+    from ampkit.machinery import checkpoint_files
     from ampkit.machinery.process import UserError
 
     rng = np.random.default_rng(2026)
@@ -477,7 +477,7 @@ def test_random_bytes_are_never_a_traceback(tmp_path):
         path = tmp_path / f"{i}.pth"
         path.write_bytes(blob)
         with pytest.raises(UserError) as e:
-            ckpt_io.load(path)
+            checkpoint_files.load(path)
         assert "\n" not in str(e.value) and str(e.value).startswith(str(path)), e.value
 
 

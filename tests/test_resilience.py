@@ -301,15 +301,15 @@ def _corrupt_file(name: str, good: Path, tmp: Path) -> Path:
 
 @pytest.mark.parametrize("name", list(CORRUPT))
 def test_corrupt_or_foreign_checkpoint_is_one_line(name, ckpt_3class, tmp_path):
-    """In-process (fast): ampkit.machinery.checkpoint.load names the file and the cause in one line."""
+    """In-process (fast): checkpoint_files.load names the file and the cause in one line."""
     import re
 
-    from ampkit.machinery import checkpoint as ckpt_io
+    from ampkit.machinery import checkpoint_files
     from ampkit.machinery.process import UserError
 
     path = _corrupt_file(name, ckpt_3class, tmp_path)
     with pytest.raises(UserError) as e:
-        ckpt_io.load(path)
+        checkpoint_files.load(path)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(str(path)) and re.search(CORRUPT[name], msg), msg
     assert "In PyTorch 2.6" not in msg  # torch's weights_only advice is not the cause

@@ -197,7 +197,7 @@ def test_the_identity_is_the_zip_directory_however_many_records(tmp_path):
     found from its end record -- every record's CRC-32, and nothing else of the file."""
     import struct
 
-    from ampkit.machinery.checkpoint import identity
+    from ampkit.machinery.checkpoint_files import identity
 
     path = tmp_path / "a.pth"
     torch.save({f"w{i}": torch.zeros(1) for i in range(1500)}, path)

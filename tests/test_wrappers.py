@@ -8,7 +8,7 @@ from torch import nn
 import train_DP
 from alexnet import alexnet
 from ampkit.technique import Parts
-from ampkit.machinery import checkpoint as ckpt_io
+from ampkit.machinery import checkpoint_files
 from ampkit.machinery.process import DistInfo
 from ampkit.machinery.saving import checkpoint_state
 
@@ -51,4 +51,5 @@ def test_whole_model_dp_saves_bare_keys():
 
 def test_strip_prefixes_handles_nested_and_compiled_wrappers():
     state = {"module._orig_mod.features.module.0.weight": 1, "classifier.6.bias": 2}
-    assert ckpt_io.strip_prefixes(state) == {"features.0.weight": 1, "classifier.6.bias": 2}
+    expected = {"features.0.weight": 1, "classifier.6.bias": 2}
+    assert checkpoint_files.strip_prefixes(state) == expected

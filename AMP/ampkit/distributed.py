@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .machinery import checkpoint as ckpt_io
+from .machinery import checkpoint_files
 from .machinery import resume
 from .machinery.process import DistInfo, UserError, process_device
 from .machinery.signals import StopFlag
@@ -179,7 +179,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]
     GradScaler that breaks outright: the scaler decided at construction that the
     optimizer handles inf/NaN itself (fused), and the foreach path then asserts."""
     built = [{k: g[k] for k in _IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
-    if model is not None and ckpt_io.is_sharded(model):  # a full state, sharded again on every rank
+    if model is not None and checkpoint_files.is_sharded(model):  # full: sharded again on each rank
         # FSDP2's alone: imported here, it adds a second to every other script's start.
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)

@@ -22,7 +22,7 @@ from torch import nn
 from .distributed import barrier, gather_from_ranks, local_main_first, this_process
 from .machinery.process import UserError, single_process_device
 from .engine import count_correct
-from .machinery import checkpoint as ckpt_io
+from .machinery import checkpoint_files
 from .machinery.archs import DEFAULT_ARCH, check_arch_flags
 from .machinery.config import DATA_DIR
 from .machinery.data import build_loaders, take_skipped
@@ -40,8 +40,8 @@ class Evaluation:
 
     def _set_up(self) -> None:
         args, device = self.args, self.info.device
-        self.path = ckpt_io.resolve(args.checkpoint)
-        state = ckpt_io.load(self.path, map_location="cpu")  # moved to the device with the model
+        self.path = checkpoint_files.resolve(args.checkpoint)
+        state = checkpoint_files.load(self.path, map_location="cpu")  # to the device with the model
         trained = state.get("args") or {}
         self.dataset = args.dataset or trained.get("dataset") or "CIFAR10"
         root = Path(args.dataset_root or trained.get("dataset_root") or DATA_DIR)
@@ -62,7 +62,7 @@ class Evaluation:
         self.autocast_dtype = (resolve_amp_dtype(args.amp_dtype, device) if args.autocast
                                else None)
         model = build_model(self.arch, data.num_classes)
-        ckpt_io.load_weights(model, state, self.path)
+        checkpoint_files.load_weights(model, state, self.path)
         del state
         if self.autocast_dtype is not None:
             # The forward re-enters autocast with this dtype itself, for DataParallel's replica

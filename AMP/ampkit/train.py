@@ -33,7 +33,7 @@ from .distributed import (StopVote, agree_on_resumed, agreed_resume_path, any_ra
                           gather_from_ranks, load_optimizer_state, rank_random_states,
                           this_process)
 from .engine import EpochStats
-from .machinery import checkpoint as ckpt_io
+from .machinery import checkpoint_files
 from .machinery.data import report_skipped, take_skipped
 from .machinery.process import DistInfo, Interrupted, UserError, single_process_device
 from .machinery.hardware_use import (StepProfiler, achieved, peak_memory_mb, reset_peak_memory,
@@ -86,7 +86,7 @@ class RunFolder:
                                    self.dir, self.tb_dir, figures.mean()))
         self.status = 0
         if saver.stopped_at is not None:
-            log.print(stopped_line(vote.flag, *saver.stopped_at, self.dir / ckpt_io.LAST,
+            log.print(stopped_line(vote.flag, *saver.stopped_at, self.dir / checkpoint_files.LAST,
                                    args.epochs))
             self.status = exit_status(vote.flag.agreed)
 
@@ -124,7 +124,7 @@ def resume(path: Optional[Path], model: nn.Module, args, info: DistInfo) -> Resu
         failed = str(e)
     agree_on_resumed(failed or resumed.loaded, info)
     if path is None and args.init_from is not None:  # another run's weights
-        ckpt_io.load_weights_from(model, args.init_from, "--init_from")
+        checkpoint_files.load_weights_from(model, args.init_from, "--init_from")
     return resumed
 
 

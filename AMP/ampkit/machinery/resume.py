@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import checkpoint as ckpt_io
+from . import checkpoint_files
 from .config import plain
 from .process import UserError
 
@@ -24,16 +24,16 @@ from .process import UserError
 def resume_path(args, run_dir: Path) -> Optional[Path]:
     """The checkpoint this run continues, or None for a new run."""
     if args.resume == "auto":
-        path = run_dir / ckpt_io.LAST
+        path = run_dir / checkpoint_files.LAST
         if not path.is_file():
             raise UserError(f"--resume: no checkpoint to resume at {path}")
         return path
     if args.resume:
-        return ckpt_io.resolve(Path(args.resume), "--resume")
+        return checkpoint_files.resolve(Path(args.resume), "--resume")
     # Restarted by torchrun (--max-restarts): continue from the latest checkpoint.
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if restarted and (run_dir / ckpt_io.LAST).is_file():
-        return run_dir / ckpt_io.LAST
+    if restarted and (run_dir / checkpoint_files.LAST).is_file():
+        return run_dir / checkpoint_files.LAST
     return None
 
 
@@ -45,7 +45,7 @@ def what_this_rank_sees(args, run_dir: Path) -> tuple:
     except UserError as e:
         mine, error = None, str(e)
     looked = str(mine or (Path(args.resume) if args.resume not in (None, "auto")
-                          else run_dir / ckpt_io.LAST))
+                          else run_dir / checkpoint_files.LAST))
     identity, unreadable = _identity(mine)
     return socket.gethostname(), looked, mine is not None, error or unreadable, identity
 
@@ -83,12 +83,13 @@ def agreed_path(seen: List[tuple], rank: int) -> Optional[Path]:
 
 
 def _identity(path: Optional[Path]) -> Tuple[Optional[Tuple[int, str]], Optional[str]]:
-    """(the checkpoint's :func:`ckpt_io.identity`, or None; why it cannot be read, or None)."""
+    """(the checkpoint's :func:`checkpoint_files.identity`, or None; why it cannot be read,
+    or None)."""
     if path is None:
         return None, None
     try:
         with open(path, "rb") as f:
-            return ckpt_io.identity(f), None
+            return checkpoint_files.identity(f), None
     except OSError as e:
         return None, f"cannot read {path} ({e.strerror or e})"
 
@@ -152,7 +153,7 @@ def load_resume(path: Path, args, model: nn.Module, device: torch.device,
     """Check ``path`` against this run, load its weights into the bare ``model`` and this
     rank's random streams (dropout's, per GPU too), so that it goes on drawing where the
     stopped run was."""
-    state, identity = ckpt_io.load_with_identity(path, map_location="cpu")
+    state, identity = checkpoint_files.load_with_identity(path, map_location="cpu")
     if "optimizer" not in state:
         raise UserError(f"{path}: holds weights only (no optimizer state); cannot resume "
                         f"from it (--init_from {path} starts a new run from its weights)")
@@ -161,7 +162,7 @@ def load_resume(path: Path, args, model: nn.Module, device: torch.device,
         raise UserError(f"--resume {path} does not fit this run: {'; '.join(diffs)}. Resume "
                         f"with the same settings, or start a new run from its weights with "
                         f"--init_from {path}")
-    ckpt_io.load_weights(model, state, path)
+    checkpoint_files.load_weights(model, state, path)
     streams = _restore_random_states(state.get("rng"), rank, world_size, device)
     return Resumed(path, int(state["epoch"]), int(state.get("step", 0)),
                    float(state.get("best_acc", -1.0)), int(state.get("best_epoch", -1)),

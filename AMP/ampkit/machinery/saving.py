@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .process import DistInfo
-from . import checkpoint as ckpt_io
+from . import checkpoint_files
 from .background_writer import BackgroundWriter, Snapshot
 from .checkpoint_writer import Link, remove_spares
 from .run_folder import remove_stale_temps
@@ -34,13 +34,13 @@ RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng", "epoch_so_far")
 def checkpoint_state(saved: Dict[str, Any], args, info: DistInfo, counters: Dict[str, Any],
                      num_classes: int, random_states: Optional[List[dict]]) -> Dict[str, Any]:
     """The checkpoint's content (live tensors): the script's ``saved`` (``model``: its
-    unwrapped weights, ``optimizer``, ``scheduler``, ``scaler``, DDP's ``comm_hook``), ``counters`` (epoch, step,
-    best_acc, best_epoch, val_acc; at a stop the epoch's figures so far) and the run's
-    metadata; with ``random_states`` (every rank's, in rank order), what only resuming
+    unwrapped weights, ``optimizer``, ``scheduler``, ``scaler``, DDP's ``comm_hook``),
+    ``counters`` (epoch, step, best_acc, best_epoch, val_acc; at a stop the epoch's figures
+    so far) and the run's metadata; with ``random_states`` (every rank's, in rank order), what only resuming
     needs. A wrapper's prefix still in a key (DataParallel around ``model.features``,
     autocast's wrapper in DataParallel's replicas) is dropped."""
-    state = {"model": ckpt_io.strip_prefixes(saved["model"]), "arch": args.arch, **counters,
-             "num_classes": num_classes, "variant": args.variant,
+    state = {"model": checkpoint_files.strip_prefixes(saved["model"]), "arch": args.arch,
+             **counters, "num_classes": num_classes, "variant": args.variant,
              "world_size": info.world_size, "args": args_to_plain(args),
              "torch_version": str(torch.__version__)}
     if random_states is not None:
@@ -101,7 +101,7 @@ class SavePolicy:
         if is_best and not due:  # kept in memory until the next save of last.pth
             self.pending_best = self.snapshots["best"].take(_weights(state))
         if due:  # last.pth first: a best.pth never stands without a last.pth to resume from
-            last, best = self.run_dir / ckpt_io.LAST, self.run_dir / ckpt_io.BEST
+            last, best = self.run_dir / checkpoint_files.LAST, self.run_dir / checkpoint_files.BEST
             files = [(self.snapshots["last"].take(state), last)]
             if is_best:  # best.pth: a second name for this very file, nothing more written
                 files.append(Link(last, best, fallback=_weights(files[0][0])))
@@ -132,7 +132,7 @@ class SavePolicy:
         files are removed now, and the caller ends the process at once."""
         if not self.info.is_main:
             return "", False
-        path, holds = self.run_dir / ckpt_io.LAST, self.writer.landed
+        path, holds = self.run_dir / checkpoint_files.LAST, self.writer.landed
         if self.writer.busy:
             remove_stale_temps(self.run_dir)
             return ((f"{path} still holds {holds}" if holds else f"no {path} was written")
