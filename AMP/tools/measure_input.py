@@ -73,7 +73,8 @@ def _pipeline(kind: str, root: Path, img_size: int, batch_size: int, num_workers
 def _ctrl_c_between_batches() -> Iterator[Callable[[], None]]:
     """Ctrl-C held until the batch in flight has arrived, then a KeyboardInterrupt (a second
     Ctrl-C: at once). One that lands while a loader worker hands its batch's shared memory
-    over leaves that worker a traceback. Yields the check to make after each batch."""
+    over leaves that worker a traceback. Yields the check to make after each batch; one
+    that came after the last check (while the workers shut down) is raised at the end."""
     pressed: List[int] = []
 
     def held(signum, frame) -> None:
@@ -93,6 +94,7 @@ def _ctrl_c_between_batches() -> Iterator[Callable[[], None]]:
         yield check
     finally:
         signal.signal(signal.SIGINT, previous)
+    check()
 
 
 def _endless(loader) -> Iterator:
