@@ -70,36 +70,36 @@ def main(argv=None):
         loader = data.train_loader(sampler)  # its batches; resumable mid-epoch
         parts = make_parts(args, run.info, data.num_classes, len(data.train_set))
         resumed = resume(run.resume_path, parts.model, args, run.info)  # its weights
-        t = build(parts)  # the model as the script wraps it, its optimizer and step
-        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max",
+        technique = build(parts)  # the model as the script wraps it, its optimizer and step
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                patience=3)
         def checkpoint():  # what is saved; rank 0 writes it, in the background
             # Without DataParallel's "module." prefix (the article kept it); inside
             # (--dp_scope features), the prefix is dropped when the file is written.
-            bare = t.model.module if isinstance(t.model, torch.nn.DataParallel) else t.model
-            return {"model": bare.state_dict(), "optimizer": t.optimizer.state_dict(),
+            model = technique.model
+            bare = model.module if isinstance(model, torch.nn.DataParallel) else model
+            return {"model": bare.state_dict(), "optimizer": technique.optimizer.state_dict(),
                     "scheduler": scheduler.state_dict()}
 
-        # Rank 0's logger, the saver (rank 0 writes last.pth and best.pth, in the background),
-        # the stop vote (a stop at the same step on every rank); closed in reverse at the end.
+        # Rank 0's logger and saver (in the background), the stop vote: closed in reverse.
         with (run.logger(resumed) as log,
               Saver(run.dir, args, run.info, resumed, data.num_classes) as saver,
               stop_vote(run.info, log.print) as vote):
-            restore(resumed, t, scheduler, parts.comm_hook, args, log)  # its saved states
+            restore(resumed, technique, scheduler, parts.comm_hook, args, log)  # saved states
             if args.compile:
-                compile_in_place(t.model)  # torch.compile, around the wrapper
-            figures = EpochFigures(args, run, t, parts, resumed, loaders=(loader, data.val),
-                                   log=log)
-            log.print(header_line(args, run.info, t, data, run.fp32_math))  # what trains, how
+                compile_in_place(technique.model)  # torch.compile, around the wrapper
+            figures = EpochFigures(args, run, technique, parts, resumed,
+                                   loaders=(loader, data.val), log=log)
+            log.print(header_line(args, run.info, technique, data, run.fp32_math))
 
             for epoch in range(resumed.epoch, args.epochs):  # from a resumed run's epoch on
                 sampler.set_epoch(epoch)  # a new order every epoch
                 start_step = resumed.step_in(epoch)  # a resumed epoch's: where its stop saved
                 loader.sampler.start_index = start_step * args.batch_size * args.accum_steps
                 figures.begin_epoch()  # its clock and memory peak
-                t.model.train()  # dropout on (count_correct turns it off)
+                technique.model.train()  # dropout on (count_correct turns it off)
                 stats = train_one_epoch(  # the script's step on every window of the epoch
-                    t.train_step, loader, run.info, accum_steps=args.accum_steps,
+                    technique.train_step, loader, run.info, accum_steps=args.accum_steps,
                     start_step=start_step, before=resumed.so_far_in(epoch), stop=vote,
                     skipped=figures.skipped, max_nonfinite=5,  # 5 inf/NaN in a row: diverged
                     log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
@@ -108,7 +108,7 @@ def main(argv=None):
                     saver.save_stop(checkpoint, epoch, stopped=stats)  # with its figures
                     break
                 counts = count_correct(  # tensor([correct, seen]): top-1 on the validation split
-                    t.model, data.val, run.info, t.autocast, desc="val",
+                    technique.model, data.val, run.info, technique.autocast, desc="val",
                     input_format=data.input_format, image_shape=data.image_shape)
                 correct, seen = counts.tolist()
                 scheduler.step(correct / seen)  # on validation accuracy (mode="max")

@@ -93,36 +93,37 @@ def main(argv=None):
             loader = data.train_loader(sampler)  # its batches; resumable mid-epoch
             parts = make_parts(args, run.info, data.num_classes, len(data.train_set))
             resumed = resume(run.resume_path, parts.model, args, run.info)  # its weights
-            t = build(parts)  # the model as the script wraps it, its optimizer and step
-            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer, mode="max",
+            technique = build(parts)  # the model as the script wraps it, its optimizer and step
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
             full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # to rank 0's CPU
 
             def checkpoint():  # every rank gathers the full state of the shards; rank 0 writes
-                return {"model": get_model_state_dict(t.model, options=full),
-                        "optimizer": get_optimizer_state_dict(t.model, t.optimizer, options=full),
-                        "scheduler": scheduler.state_dict(), "scaler": t.scaler.state_dict()}
+                model, optimizer = technique.model, technique.optimizer
+                return {"model": get_model_state_dict(model, options=full),
+                        "optimizer": get_optimizer_state_dict(model, optimizer, options=full),
+                        "scheduler": scheduler.state_dict(),
+                        "scaler": technique.scaler.state_dict()}
 
-            # Rank 0's logger, the saver (rank 0 writes last.pth and best.pth, in the background),
-            # the stop vote (a stop at the same step on every rank); closed in reverse at the end.
+            # Rank 0's logger and saver (in the background), the stop vote: closed in reverse.
             with (run.logger(resumed) as log,
                   Saver(run.dir, args, run.info, resumed, data.num_classes) as saver,
                   stop_vote(run.info, log.print) as vote):
-                restore(resumed, t, scheduler, parts.comm_hook, args, log)  # its saved states
+                restore(resumed, technique, scheduler, parts.comm_hook, args, log)  # saved states
                 if args.compile:
-                    compile_in_place(t.model)  # torch.compile, around the wrapper
-                figures = EpochFigures(args, run, t, parts, resumed, loaders=(loader, data.val),
-                                       log=log)
-                log.print(header_line(args, run.info, t, data, run.fp32_math))  # what trains, how
+                    compile_in_place(technique.model)  # torch.compile, around the wrapper
+                figures = EpochFigures(args, run, technique, parts, resumed,
+                                       loaders=(loader, data.val), log=log)
+                log.print(header_line(args, run.info, technique, data, run.fp32_math))
 
                 for epoch in range(resumed.epoch, args.epochs):  # from a resumed run's epoch on
                     sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
                     start_step = resumed.step_in(epoch)  # a resumed epoch's: where its stop saved
                     loader.sampler.start_index = start_step * args.batch_size * args.accum_steps
                     figures.begin_epoch()  # its clock and memory peak
-                    t.model.train()  # dropout on (count_correct turns it off)
+                    technique.model.train()  # dropout on (count_correct turns it off)
                     stats = train_one_epoch(  # the script's step on every window of the epoch
-                        t.train_step, loader, run.info, accum_steps=args.accum_steps,
+                        technique.train_step, loader, run.info, accum_steps=args.accum_steps,
                         start_step=start_step, before=resumed.so_far_in(epoch), stop=vote,
                         skipped=figures.skipped, max_nonfinite=None,  # the scaler skips those
                         log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
@@ -131,7 +132,7 @@ def main(argv=None):
                         saver.save_stop(checkpoint, epoch, stopped=stats)  # with its figures
                         break
                     counts = count_correct(  # tensor([correct, seen]) of this rank's shard
-                        t.model, data.val, run.info, t.autocast, desc="val",
+                        technique.model, data.val, run.info, technique.autocast, desc="val",
                         input_format=data.input_format, image_shape=data.image_shape)
                     dist.all_reduce(counts)  # exact (the article divided each rank's own count)
                     correct, seen = counts.tolist()

@@ -53,10 +53,10 @@ def _technique(name: str) -> set[str]:
     if name.startswith(("train_DDP", "train_FSDP")):  # the ranks' counts, summed in view
         calls |= {"dist.all_reduce(counts)"}
     if name.startswith("train_DDP"):  # the unwrapped weights, saved by rank 0
-        calls |= {"t.model.module.state_dict()"}
+        calls |= {"technique.model.module.state_dict()"}
     if name.startswith("train_FSDP"):  # the full state, gathered from the shards
-        calls |= {"get_model_state_dict(t.model, options=full)",
-                  "get_optimizer_state_dict(t.model, t.optimizer, options=full)"}
+        calls |= {"get_model_state_dict(model, options=full)",
+                  "get_optimizer_state_dict(model, optimizer, options=full)"}
     if name.startswith("train_DDP"):  # with --accum_steps: no all-reduce but at a step's last
         calls |= {"DistributedDataParallel(", "with model.no_sync()"} | GROUP_RECIPE | SAMPLER_RECIPE
     if name.startswith("train_FSDP"):
@@ -71,8 +71,8 @@ def _technique(name: str) -> set[str]:
         calls |= {"dist.all_reduce(", "range(rank, ev.test_size, world_size)"} | GROUP_RECIPE
     if name.startswith("train"):
         calls |= {"torch.optim.AdamW(model.parameters()", "optimizer.zero_grad(set_to_none=True)",
-                  "torch.optim.lr_scheduler.ReduceLROnPlateau(t.optimizer",
-                  "build_loaders(", "t = build(parts)", *EPOCH,
+                  "torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer",
+                  "build_loaders(", "technique = build(parts)", *EPOCH,
                   "torch.nn.utils.get_total_norm(",
                   "torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)",
                   "forward_backward(x, y, len(y) / n)"}

@@ -1,9 +1,8 @@
 """What a training run stands on, in the calls each script makes in view (``AMP/train_DDP.py``).
 
-- :class:`RunFolder` (``with RunFolder(args, device) as run``): the run folder and its
-  lock, the checkpoint to resume (``run.resume_path``), the logger of its files
-  (``run.logger``), and the run's last line (``run.end``); ``run.status``: 0, or 128 + a
-  stop's signal.
+- :class:`RunFolder` (``with RunFolder(args, device) as run``): the folder and its lock, the
+  checkpoint to resume, the logger of its files (``run.logger``) and the run's last line
+  (``run.end``); ``run.status``: 0, or 128 + a stop's signal.
 - :func:`stop_vote` (``with stop_vote(run.info, log.print) as vote``): the signal handlers
   that ask for a stop, and the vote that makes it at the same step on every rank.
 - :func:`resume` (before ``build()`` wraps the network) and :func:`restore` (after it): a
@@ -128,14 +127,15 @@ def resume(path: Optional[Path], model: nn.Module, args, info: DistInfo) -> Resu
     return resumed
 
 
-def restore(resumed: Resumed, t: Technique, scheduler, comm_hook, args, log: RunLogger) -> None:
+def restore(resumed: Resumed, technique: Technique, scheduler, comm_hook, args,
+            log: RunLogger) -> None:
     """After ``build()``: a resumed run's optimizer (FSDP2: sharded again), LR schedule,
     GradScaler and comm hook states loaded into the objects the script made; where the run
     starts and what it changes against the checkpoint's run, said."""
     saved_hook = resumed.states.get("comm_hook")
     if resumed.states:
-        load_optimizer_state(t.optimizer, resumed.states["optimizer"], t.model)
-    changed = load_states(resumed, t, scheduler, args)  # the schedule's, the scaler's
+        load_optimizer_state(technique.optimizer, resumed.states["optimizer"], technique.model)
+    changed = load_states(resumed, technique, scheduler, args)  # the schedule's, the scaler's
     if resumed.path is not None:  # PowerSGD's step count; what restarts, in words
         changed = "\n".join(filter(None, [changed, comm_hook.load_state_dict(saved_hook)]))
     log.print(where_it_starts(resumed, args, changed))
@@ -207,16 +207,17 @@ class EpochFigures:
     would make them mean less than they say (bf16 emulated on this CPU, no known peak, a comm
     hook with nothing to send) is said once, here."""
 
-    def __init__(self, args, run: RunFolder, t: Technique, parts: Parts, resumed: Resumed,
-                 loaders: tuple, log: RunLogger) -> None:
-        info = run.info
-        self.args, self.info, self.t, self.parts, self.resumed = args, info, t, parts, resumed
-        self.loaders, self.log, self.profile_dir = loaders, log, run.dir / "profile"
-        self.dp = any(isinstance(m, nn.DataParallel) for m in t.model.modules())
-        self.skipped = SkippedSteps(t.scaler, info.device)  # train_one_epoch counts them
-        log.warn(slow_bf16(t.compute_dtype, info.device))
-        log.warn(parts.comm_hook.caveat(info.world_size, t.scaler))
-        self.peak, note = run_peak(args.peak_tflops, info.device, t.compute_dtype, run.fp32_math)
+    def __init__(self, args, run: RunFolder, technique: Technique, parts: Parts,
+                 resumed: Resumed, loaders: tuple, log: RunLogger) -> None:
+        info, scaler, dtype = run.info, technique.scaler, technique.compute_dtype
+        self.args, self.info, self.technique, self.parts = args, info, technique, parts
+        self.resumed, self.loaders, self.log = resumed, loaders, log
+        self.profile_dir = run.dir / "profile"
+        self.dp = any(isinstance(m, nn.DataParallel) for m in technique.model.modules())
+        self.skipped = SkippedSteps(scaler, info.device)  # train_one_epoch counts them
+        log.warn(slow_bf16(dtype, info.device))
+        log.warn(parts.comm_hook.caveat(info.world_size, scaler))
+        self.peak, note = run_peak(args.peak_tflops, info.device, dtype, run.fp32_math)
         log.warn(note)
         gpus = torch.cuda.device_count() if self.dp and info.device.type == "cuda" else 1
         self.devices = info.world_size * gpus  # what the peak is multiplied by
@@ -224,7 +225,7 @@ class EpochFigures:
 
     def begin_epoch(self) -> None:
         """The epoch's clock and learning rate; its memory peak and wire bytes from zero."""
-        self.start = (time.perf_counter(), self.t.optimizer.param_groups[0]["lr"],
+        self.start = (time.perf_counter(), self.technique.optimizer.param_groups[0]["lr"],
                       reset_peak_memory(self.info.device, all_gpus=self.dp))
         self.parts.comm_hook.reset_counts()
 
@@ -250,7 +251,7 @@ class EpochFigures:
         peaks = gather_from_ranks([round(peak_memory_mb(self.info.device, all_gpus=self.dp), 1)],
                                   self.info)  # every rank's peak this epoch
         row = epoch_row(epoch, stats, [int(c) for c in counts], lr, seconds,
-                        self.args, self.info, self.t.scaler, skipped, peaks, reset)
+                        self.args, self.info, self.technique.scaler, skipped, peaks, reset)
         return row | achieved(stats.images * self.parts.flops_per_image, stats.seconds,
                               self.peak, self.devices) | self.parts.comm_hook.per_step()
 

@@ -156,16 +156,15 @@ def epoch_row(epoch: int, stats, counts, lr: float, epoch_seconds: float, args, 
 
 def header_line(args, info, technique, data, fp32_math: str) -> str:
     """The run's first line: what trains, on what, in which precision, from which data."""
-    device, t = info.device, technique
+    device, compute = info.device, technique.compute_dtype
     gpu = device.type == "cuda"
-    dp = any(isinstance(m, torch.nn.DataParallel) for m in t.model.modules())
+    dp = any(isinstance(m, torch.nn.DataParallel) for m in technique.model.modules())
     gpus = f" x{torch.cuda.device_count()} GPUs" if dp and gpu else ""
-    dtype = f" ({str(t.compute_dtype)[6:]})" if t.compute_dtype is not None else \
-        (f" ({fp32_math})" if gpu else "")
+    dtype = f" ({str(compute)[6:]})" if compute is not None else (f" ({fp32_math})" if gpu else "")
     return (f"{args.variant}: {args.dataset} ({data.train_size} train / {data.val_size} val "
             f"images, {data.num_classes} classes) at {args.img_size}px on {device}"
             f"{f' x{info.world_size} processes' if info.distributed else ''}{gpus}, "
-            f"precision {t.precision}{dtype}, "
+            f"precision {technique.precision}{dtype}, "
             f"batch {args.batch_size}{' per process' if info.distributed else ''}"
             + (f" x {args.accum_steps} micro-batches per optimizer step (global batch "
                f"{args.batch_size * args.accum_steps * info.world_size})"
