@@ -1,7 +1,8 @@
 """Stop signals: SIGTERM, SIGUSR1 and Ctrl-C end a run at its next safe point, saved.
 
-The rule, wherever a signal lands from the header line to the run's last line (in a step,
-in an epoch's last and short step or window, in validation, in a save, in the last epoch):
+The rule, wherever a signal lands within the script's ``stop_vote`` (from before the
+restore to the run's last line: in a step, in an epoch's last and short step or window, in
+validation, in a save, in the last epoch):
 
 1. Only a run's main process decides. Its handlers just set its :class:`StopFlag`; the
    DataLoader workers ignore all three signals from anyone else
@@ -18,9 +19,8 @@ in an epoch's last and short step or window, in validation, in a save, in the la
    last epoch exits so too ("The run is complete"; its ``--resume`` has nothing to do).
 
 A second Ctrl-C to a process that already got a signal stops it at once
-(:class:`KeyboardInterrupt`). Before the header line (set-up) and after the last vote
-(teardown) the previous handlers apply; a rank of several ignores the signals as it
-exits.
+(:class:`KeyboardInterrupt`). Before the ``with`` (set-up) and after it (teardown) the
+previous handlers apply; a rank of several ignores the signals as it exits.
 """
 from __future__ import annotations
 
