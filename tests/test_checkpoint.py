@@ -1,5 +1,5 @@
 """Checkpoint writing off the training loop's path: snapshots into kept buffers, a background
-writer, the --save_every policy, and atomic writes through a spare file."""
+writer, the --save_every policy, atomic writes through a spare file, one space check."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +9,7 @@ import torch
 
 from conftest import quick_flags
 
-from ampkit.machinery import background_writer, checkpoint_writer
+from ampkit.machinery import checkpoint_writer
 
 
 def test_atomic_save_with_spare_rotates_and_rewrites_in_place(tmp_path):
@@ -32,7 +32,7 @@ def test_atomic_save_with_spare_rotates_and_rewrites_in_place(tmp_path):
 def test_snapshot_reuses_its_buffers_and_is_independent_of_the_source():
     live = {"model": {"w": torch.ones(4)}, "optimizer": {"state": {0: {"m": torch.zeros(3)}},
                                                          "param_groups": [{"lr": 0.1}]}}
-    snap = background_writer.Snapshot()
+    snap = checkpoint_writer.Snapshot()
     first = snap.take(live)
     live["model"]["w"].add_(1)  # training goes on
     assert torch.equal(first["model"]["w"], torch.ones(4))
@@ -43,11 +43,29 @@ def test_snapshot_reuses_its_buffers_and_is_independent_of_the_source():
 
 
 def test_background_writer_reports_an_error_at_the_next_wait(tmp_path):
-    writer = background_writer.BackgroundWriter()
+    writer = checkpoint_writer.BackgroundWriter()
     writer.submit([({"x": torch.zeros(1)}, tmp_path / "missing" / "last.pth")])
     with pytest.raises(OSError):
         writer.wait()
     writer.wait()  # reported once
+
+
+def test_a_save_that_does_not_fit_fails_at_submit_counting_the_spare_it_rewrites(tmp_path,
+                                                                                monkeypatch):
+    """One space check, in the caller's thread before any write: a spare counts as free space,
+    since the save rewrites it in place."""
+    path, state = tmp_path / "last.pth", {"w": torch.zeros(2**18)}  # 1 MB of tensors, + 1 MB
+    usage = checkpoint_writer.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint_writer.shutil, "disk_usage",
+                        lambda p: usage._replace(free=2**20))  # 1 MB free
+    writer = checkpoint_writer.BackgroundWriter()
+    with pytest.raises(checkpoint_writer.DiskFull, match="needs 2 MB .* has 1 MB free"):
+        writer.submit([(state, path)])
+    assert not writer.busy and list(tmp_path.iterdir()) == [], "nothing started, nothing written"
+    (tmp_path / ".last.pth.spare").write_bytes(bytes(2**20))  # the version before: 1 MB
+    writer.submit([(state, path)])
+    writer.wait()
+    assert torch.equal(torch.load(path, weights_only=True)["w"], state["w"])
 
 
 @pytest.mark.parametrize("save_every,expected", [
@@ -64,7 +82,7 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
     import train_without
 
     writes = []
-    original = background_writer.atomic_save
+    original = checkpoint_writer.atomic_save
 
     def recording(obj, path, spare=False):
         writes.append((path.name, obj["epoch"], threading.current_thread().name))
@@ -79,7 +97,7 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
         counts[1] = 1000
         return counts
 
-    monkeypatch.setattr(background_writer, "atomic_save", recording)
+    monkeypatch.setattr(checkpoint_writer, "atomic_save", recording)
     monkeypatch.setattr(train_without, "count_correct", forced)
     train_without.main(quick_flags(imagefolder_root, tmp_path, batch_size=48, epochs=3,
                                    save_every=save_every))
@@ -95,7 +113,7 @@ def test_best_is_a_second_name_that_the_next_saves_leave_alone(tmp_path):
     """best.pth names epoch 1's last.pth; the saves of epochs 2 and 3 (whose spare-file
     rotation rewrites the version before the current one in place) leave it whole."""
     last, best = tmp_path / "last.pth", tmp_path / "best.pth"
-    writer = background_writer.BackgroundWriter()
+    writer = checkpoint_writer.BackgroundWriter()
     for epoch in (1, 2, 3):
         state = {"epoch": epoch, "w": torch.full((1000,), float(epoch))}
         files = [(state, last)] + ([checkpoint_writer.Link(last, best, fallback=state)] if epoch == 1

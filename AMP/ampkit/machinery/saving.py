@@ -22,8 +22,7 @@ import torch
 
 from .process import DistInfo
 from . import checkpoint_files
-from .background_writer import BackgroundWriter, Snapshot
-from .checkpoint_writer import Link, remove_spares
+from .checkpoint_writer import BackgroundWriter, Link, Snapshot, remove_spares
 from .run_folder import remove_stale_temps
 from .config import args_to_plain, parse_interval
 
