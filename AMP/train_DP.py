@@ -40,11 +40,11 @@ def build(parts: Parts) -> Technique:
         loss.backward()  # adds its gradients to the step's
         return loss.detach()
 
-    def train_step(window):  # one optimizer step over --accum_steps micro-batches
-        n = sum(len(y) for _, y in window)  # its images (fewer at an epoch's end)
+    def train_step(micro_batches):  # one optimizer step over --accum_steps of them
+        n = sum(len(y) for _, y in micro_batches)  # its images (fewer at an epoch's end)
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
-        for x, y in window:
+        for x, y in micro_batches:
             loss += forward_backward(x, y, len(y) / n)  # the mean over all n images
         # The norm before clipping, logged every epoch; only --clip_grad scales the
         # gradients (clip_grad_norm_ would multiply them all by 1.0 without it).
@@ -98,7 +98,7 @@ def main(argv=None):
                 loader.sampler.start_index = start_step * args.batch_size * args.accum_steps
                 figures.begin_epoch()  # its clock and memory peak
                 technique.model.train()  # dropout on (count_correct turns it off)
-                stats = train_one_epoch(  # the script's step on every window of the epoch
+                stats = train_one_epoch(  # the script's step, over the epoch's batches
                     technique.train_step, loader, run.info, accum_steps=args.accum_steps,
                     start_step=start_step, before=resumed.so_far_in(epoch), stop=vote,
                     skipped=figures.skipped, max_nonfinite=5,  # 5 inf/NaN in a row: diverged

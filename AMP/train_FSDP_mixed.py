@@ -52,12 +52,12 @@ def build(parts: Parts) -> Technique:
         scaler.scale(loss).backward()  # adds the gradients of loss x scale to the step's
         return loss.detach()
 
-    def train_step(window):  # one optimizer step over --accum_steps micro-batches
-        n = sum(len(y) for _, y in window)  # its images (fewer at an epoch's end)
+    def train_step(micro_batches):  # one optimizer step over --accum_steps of them
+        n = sum(len(y) for _, y in micro_batches)  # its images (fewer at an epoch's end)
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
-        for i, (x, y) in enumerate(window):
-            last = i == len(window) - 1
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
             model.set_requires_gradient_sync(last)  # only the last micro-batch reduce-scatters
             model.set_reshard_after_backward(last)  # till then the gathered weights stay: no
             # gather again in the next micro-batch (measured: a quarter faster, docs/results.md)
@@ -128,7 +128,7 @@ def main(argv=None):
                     loader.sampler.start_index = start_step * args.batch_size * args.accum_steps
                     figures.begin_epoch()  # its clock and memory peak
                     technique.model.train()  # dropout on (count_correct turns it off)
-                    stats = train_one_epoch(  # the script's step on every window of the epoch
+                    stats = train_one_epoch(  # the script's step, over the epoch's batches
                         technique.train_step, loader, run.info, accum_steps=args.accum_steps,
                         start_step=start_step, before=resumed.so_far_in(epoch), stop=vote,
                         skipped=figures.skipped,

@@ -66,12 +66,12 @@ def test_peak_memory_is_each_epochs_own(imagefolder_root, tmp_path, capsys, monk
         t = real_build(parts)
         step = t.train_step
 
-        def step_with_a_spike(window):
+        def step_with_a_spike(micro_batches):
             calls.append(1)
             if len(calls) == 1:
                 spike = torch.ones(384 * 2**20)  # 1.5 GB, written
                 del spike
-            return step(window)
+            return step(micro_batches)
 
         t.train_step = step_with_a_spike
         return t

@@ -106,10 +106,11 @@ def test_script_contains_its_technique_literally(name):
                                           "restore(", "for epoch in ")]
         epoch = [code.index(c) for c in EPOCH] + [code.rindex("run.end(")]
         assert set_up == sorted(set_up) and epoch == sorted(epoch) and set_up[-1] < epoch[0], name
-        assert re.search(r"def train_step\(window\):", code)
-        # One zero_grad before the window's backward passes; one unscale_ before the clip,
+        assert re.search(r"def train_step\(micro_batches\):", code)
+        # One zero_grad before the step's backward passes; one unscale_ before the clip,
         # the clip before the optimizer's step: once per optimizer step, after the loop.
-        loop = re.search(r"^\s+for .* in (enumerate\(window\)|window):", code, re.M).start()
+        loop = re.search(r"^\s+for .* in (enumerate\(micro_batches\)|micro_batches):", code,
+                         re.M).start()
         norm, clip = code.index("get_total_norm("), code.index("clip_grads_with_norm_(")
         order = [code.index("optimizer.zero_grad("), loop, norm, clip]
         assert order == sorted(order), name

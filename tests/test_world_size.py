@@ -235,7 +235,7 @@ def test_the_stop_lands_after_the_step_or_with_peers_the_next(group, request):
     assert info.distributed == group
     flag, steps = StopFlag(), []
 
-    def step(window):
+    def step(micro_batches):
         steps.append(1)
         if len(steps) == 3:
             flag.request("SIGTERM")

@@ -1,7 +1,7 @@
 """The epoch loop around a script's training step, and the accuracy count.
 
-``train_one_epoch`` runs a script's step (``ampkit.technique``) over the epoch's
-windows of micro-batches without a host sync per step: the loss sums and counters stay on
+``train_one_epoch`` runs a script's step (``ampkit.technique``) on the epoch's micro-batches,
+``accum_steps`` a step, without a host sync per step: the loss sums and counters stay on
 the device and are read every ``log_every`` steps and at the epoch's end.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .distributed import StopVote, max_over_ranks, sum_over_ranks
 from .machinery.process import DistInfo, UserError, synchronize
 from .machinery.log import progress_bar
 from .precision import SkippedSteps
-from .technique import Step, Window
+from .technique import MicroBatches, Step
 
 class TrainingDiverged(UserError):
     """The loss stayed non-finite for several consecutive steps without a GradScaler."""
@@ -72,7 +72,7 @@ class EpochStats:
 
 
 @dataclass
-class Tally:
+class EpochSums:
     """The epoch's running sums, kept on the device (adding to them never syncs)."""
     device: torch.device
     loss_sum: torch.Tensor = field(init=False)   # sum of loss x images, finite steps only
@@ -116,19 +116,20 @@ def _diverged(worst: int, step: int) -> TrainingDiverged:
                             "the gradients (--clip_grad) or use a GradScaler variant")
 
 
-def windows(loader: Iterable, accum_steps: int, device: torch.device,
-            input_format: torch.memory_format) -> Iterator[Tuple[Window, float]]:
-    """The loader's batches on ``device``, ``accum_steps`` at a time (the last window of an
-    epoch may hold fewer), with the host's seconds spent waiting for them."""
+def micro_batches_by_step(loader: Iterable, accum_steps: int, device: torch.device,
+                          input_format: torch.memory_format
+                          ) -> Iterator[Tuple[MicroBatches, float]]:
+    """The loader's batches on ``device``, ``accum_steps`` at a time (an epoch's last step
+    may have fewer), with the host's seconds spent waiting for them."""
     batches = iter(loader)
     while True:
         t_wait = time.perf_counter()
-        window = list(itertools.islice(batches, accum_steps))
-        if not window:
+        micro_batches = list(itertools.islice(batches, accum_steps))
+        if not micro_batches:
             return
         waited = time.perf_counter() - t_wait
         yield [(x.to(device, non_blocking=True, memory_format=input_format),
-                y.to(device, non_blocking=True)) for x, y in window], waited
+                y.to(device, non_blocking=True)) for x, y in micro_batches], waited
 
 
 def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, desc: str = "train",
@@ -137,7 +138,7 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, desc:
                     input_format: torch.memory_format = torch.preserve_format,
                     profiler=None, accum_steps: int = 1,
                     before: Optional[dict] = None) -> EpochStats:
-    """Run ``train_step`` on every window of ``accum_steps`` batches of ``loader``: one optimizer
+    """Run ``train_step`` on ``loader``'s batches, ``accum_steps`` at a time: one optimizer
     step each. ``start_step``, ``log_every`` and the progress bar count optimizer steps.
     ``stop``: the ranks' vote, taken after every step (no host sync); when it says so, the
     epoch ends there on every rank (``EpochStats.stopped_at``). ``max_nonfinite=None``: no
@@ -145,7 +146,7 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, desc:
     skips; ``profiler`` (a ``machinery.hardware_use.StepProfiler``) records some steps.
     ``before``: a resumed epoch's figures up to its stop, which the returned ones include."""
     device = info.device
-    tally, skipped = Tally(device), skipped or SkippedSteps(None, device)
+    sums, skipped = EpochSums(device), skipped or SkippedSteps(None, device)
     skipped.count.zero_()  # this call's skips; the scaler's last scale carries over
     synchronize(device)
     t0 = time.perf_counter()
@@ -156,11 +157,12 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, desc:
                        unit="step")
     # The bar is closed before any error message, so it is not drawn over.
     with profiler or contextlib.nullcontext(), bar:  # the bar closes first, then a report
-        for window, waited in windows(loader, accum_steps, device, input_format):
+        for micro_batches, waited in micro_batches_by_step(loader, accum_steps, device,
+                                                           input_format):
             data_seconds += waited  # host time waiting for input
             with skipped.watch():
-                loss, norm = train_step(window)
-            tally.add(loss, sum(y.shape[0] for _, y in window), norm, skipped.last)
+                loss, norm = train_step(micro_batches)
+            sums.add(loss, sum(y.shape[0] for _, y in micro_batches), norm, skipped.last)
             step, steps_done = step + 1, steps_done + 1
             bar.update(1)
             if profiler is not None:
@@ -169,24 +171,24 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, desc:
                 stopped_at = step
                 break
             if step % log_every == 0:
-                _host_check(tally, bar, info, max_nonfinite, step)
+                _host_check(sums, bar, info, max_nonfinite, step)
     # Asked during the last step? (Always called: it takes the vote still in flight.)
     if stop is not None and stop.any_rank_asked() and stopped_at is None:
         stopped_at = step
-    return _epoch_stats(tally, skipped, info, max_nonfinite, step, t0,
+    return _epoch_stats(sums, skipped, info, max_nonfinite, step, t0,
                         dict(steps=steps_done, stopped_at=stopped_at,
                              data_seconds=data_seconds)).after(
                                  EpochStats(**before) if before else None)
 
 
-def _epoch_stats(tally: Tally, skipped: SkippedSteps, info: DistInfo,
+def _epoch_stats(sums: EpochSums, skipped: SkippedSteps, info: DistInfo,
                  max_nonfinite: Optional[int], step: int, t0: float, kw: dict) -> EpochStats:
     """The epoch's figures, summed over the ranks: the epoch's one host sync."""
-    totals = sum_over_ranks(torch.stack([tally.images.double(), tally.finite_images.double(),
-                                         skipped.count.double(), tally.nonfinite.double(),
-                                         tally.loss_sum]), info)
-    worst = int(max_over_ranks(tally.worst_run.clone(), info).item())
-    norms = torch.stack([tally.norm_sum, tally.norm_steps.double(), tally.norm_max]).tolist()
+    totals = sum_over_ranks(torch.stack([sums.images.double(), sums.finite_images.double(),
+                                         skipped.count.double(), sums.nonfinite.double(),
+                                         sums.loss_sum]), info)
+    worst = int(max_over_ranks(sums.worst_run.clone(), info).item())
+    norms = torch.stack([sums.norm_sum, sums.norm_steps.double(), sums.norm_max]).tolist()
     synchronize(info.device)
     seconds = time.perf_counter() - t0
     images, finite_images, n_skipped, nonfinite, loss_total = totals.tolist()
@@ -200,14 +202,14 @@ def _epoch_stats(tally: Tally, skipped: SkippedSteps, info: DistInfo,
                       finite_images=int(finite_images), norm_steps=int(norms[1]), **kw)
 
 
-def _host_check(tally: Tally, bar: tqdm, info: DistInfo, max_nonfinite: Optional[int],
+def _host_check(sums: EpochSums, bar: tqdm, info: DistInfo, max_nonfinite: Optional[int],
                 step: int) -> None:
     """The host sync point, every log_every steps (never every step): the progress bar's
     loss and the divergence check, which all ranks reach at the same step and pass or fail
     together."""
-    worst = int(max_over_ranks(tally.worst_run.clone(), info).item())
+    worst = int(max_over_ranks(sums.worst_run.clone(), info).item())
     if info.is_main:
-        mean = tally.loss_sum / tally.finite_images.clamp(min=1)
+        mean = sums.loss_sum / sums.finite_images.clamp(min=1)
         bar.set_postfix(loss=f"{mean.item():.4f}")
     if max_nonfinite is not None and worst >= max_nonfinite:
         raise _diverged(worst, step)

@@ -17,10 +17,10 @@ from .machinery.process import DistInfo, seed_streams
 from .models import build_model, check_dp_scope
 from .precision import resolve_amp_dtype
 
-# One optimizer step over a window of micro-batches [(images, targets), ...] -> (its loss, the
+# One optimizer step over its micro-batches [(images, targets), ...] -> (its loss, the
 # gradient norm before clipping).
-Window = List[Tuple[torch.Tensor, torch.Tensor]]
-Step = Callable[[Window], Tuple[torch.Tensor, torch.Tensor]]
+MicroBatches = List[Tuple[torch.Tensor, torch.Tensor]]
+Step = Callable[[MicroBatches], Tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass

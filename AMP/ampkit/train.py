@@ -39,7 +39,7 @@ from .machinery.hardware_use import (StepProfiler, achieved, peak_memory_mb, res
                                      run_peak)
 from .machinery.log import RunLogger, epoch_row, summary_line
 from .machinery.run_folder import claim_folders
-from .machinery.resume import Resumed, load_resume, load_states, where_it_starts
+from .machinery.resume import Resumed, load_resume, load_states, start_message
 from .machinery.saving import SavePolicy, checkpoint_state
 from .machinery.signals import StopFlag, StopSignals, exit_status, stopped_line
 from .precision import SkippedSteps, cuda_math, slow_bf16
@@ -138,7 +138,7 @@ def restore(resumed: Resumed, technique: Technique, scheduler, comm_hook, args,
     changed = load_states(resumed, technique, scheduler, args)  # the schedule's, the scaler's
     if resumed.path is not None:  # PowerSGD's step count; what restarts, in words
         changed = "\n".join(filter(None, [changed, comm_hook.load_state_dict(saved_hook)]))
-    log.print(where_it_starts(resumed, args, changed))
+    log.print(start_message(resumed, args, changed))
 
 
 class Saver:

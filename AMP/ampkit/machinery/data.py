@@ -17,8 +17,8 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sized, Tuple
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .datasets import (BadImage, Unreadable, build_datasets, Substituted, collate_readable,
-                       collate_substituted)
+from .datasets import (BadImage, NextReadable, Unreadable, build_datasets,
+                       collate_next_readable, collate_readable)
 from .samplers import IndexSampler, ResumableSampler, one_process_sampler
 from .process import DistInfo, UserError
 from .fastdata import fast_loaders, fits_in_memory
@@ -74,10 +74,10 @@ def train_loader(dataset: Dataset, batch_size: int, num_workers: int, info: Dist
                  skip_bad: bool = False) -> CheckedLoader:
     """Batches in ``sampler``'s order (None: one process's, seeded by ``seed``) with its
     flips, always full: an unreadable image is replaced by the next readable one
-    (:class:`Substituted`)."""
+    (:class:`NextReadable`)."""
     sampler = ResumableSampler(sampler or one_process_sampler(len(dataset), seed), pairs=True)
-    return _loader(Substituted(dataset), batch_size, sampler, num_workers, info.device,
-                   skip_bad, collate_substituted)
+    return _loader(NextReadable(dataset), batch_size, sampler, num_workers, info.device,
+                   skip_bad, collate_next_readable)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, info: DistInfo,

@@ -76,7 +76,7 @@ def collate_readable(batch: list) -> Tuple[Optional[object], Optional[object], L
     return images, targets, bad
 
 
-class Substituted(Dataset):
+class NextReadable(Dataset):
     """A training split whose unreadable image is replaced by the next readable one: each
     sample, asked for as ``(index, flip)``, is ``(image, mirrored if flip, target, [the
     Unreadable ones passed over])``.
@@ -103,8 +103,8 @@ class Substituted(Dataset):
         raise UserError(f"no image of the training split can be read (the first: {passed[0]})")
 
 
-def collate_substituted(batch: list) -> Tuple[object, object, List[Unreadable]]:
-    """``(images, targets, the unreadable images passed over)`` of :class:`Substituted`."""
+def collate_next_readable(batch: list) -> Tuple[object, object, List[Unreadable]]:
+    """``(images, targets, the unreadable images passed over)`` of :class:`NextReadable`."""
     images, targets = default_collate([(x, y) for x, y, _ in batch])
     return images, targets, [bad for _, _, passed in batch for bad in passed]
 

@@ -229,7 +229,7 @@ def changes(trained: Dict[str, Any], args, optimizer: torch.optim.Optimizer) -> 
     return "flags that differ from the checkpoint's run (this run's are used): " + "; ".join(notes)
 
 
-def where_it_starts(resumed: Resumed, args, changed: str = "") -> Optional[str]:
+def start_message(resumed: Resumed, args, changed: str = "") -> Optional[str]:
     """The lines that say where a resumed run, or one started from weights, begins, and
     (``changed``) what it changes against the checkpoint's run; None for a new run."""
     if resumed.path is not None and resumed.epoch >= args.epochs:

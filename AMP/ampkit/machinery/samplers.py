@@ -25,7 +25,7 @@ class ResumableSampler(Sampler[int]):
     It also draws each sample's horizontal flip, from (seed, epoch, rank) alone: the same
     flips on both input paths, in a resumed epoch as in the interrupted one, and none of
     the random stream that dropout draws from. ``pairs``: it yields ``(index, flip)`` (the
-    classic path's :class:`.datasets.Substituted` takes them); else the indices, and the fast path
+    classic path's :class:`.datasets.NextReadable` takes them); else the indices, and the fast path
     takes :meth:`flips`."""
 
     def __init__(self, sampler: Sampler[int], pairs: bool = False) -> None:
