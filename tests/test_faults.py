@@ -481,6 +481,26 @@ def test_random_bytes_are_never_a_traceback(tmp_path):
         assert "\n" not in str(e.value) and str(e.value).startswith(str(path)), e.value
 
 
+@pytest.mark.parametrize("rank,said", [("0", ["prog.py: interrupted"]), ("1", [])])
+def test_ctrl_c_before_training_is_said_once_by_rank_0(rank, said, capsys, monkeypatch):
+    """A terminal's Ctrl-C reaches every rank of a torchrun job: one line, rank 0's; every
+    rank exits 130."""
+    from ampkit.machinery.process import report_user_errors
+
+    monkeypatch.setattr("sys.argv", ["prog.py"])
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    @report_user_errors
+    def main():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 130
+    assert capsys.readouterr().err.splitlines() == said
+
+
 # ------------------------------------------------------------------ 8: a lost DDP peer
 @pytest.mark.slow
 def test_a_killed_ddp_worker_leaves_one_line_per_survivor(imagefolder_root, tmp_path):

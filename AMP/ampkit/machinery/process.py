@@ -95,9 +95,10 @@ def report_user_errors(main: Callable) -> Callable:
                 who = f"rank {_rank()}: " if e.every_rank and _several() else ""
                 print(f"{prog}: error: {who}{e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
-        except KeyboardInterrupt as e:
-            print(f"{prog}: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr,
-                  flush=True)
+        except KeyboardInterrupt as e:  # a terminal's Ctrl-C reaches every rank: rank 0 says it
+            if _rank() == 0:
+                print(f"{prog}: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr,
+                      flush=True)
             if getattr(e, "now", False):
                 os._exit(130)
             sys.exit(130)
@@ -110,7 +111,6 @@ def report_user_errors(main: Callable) -> Callable:
             sys.exit(EXIT_LOST_PEER)
 
     return wrapper
-
 
 
 def want_cuda(flag: Optional[bool]) -> bool:
