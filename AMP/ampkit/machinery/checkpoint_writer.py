@@ -31,8 +31,8 @@ def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
 
     ``spare=True`` (the background writer's saves): the temporary file is ``.<name>.spare``,
     the version before the current one, rewritten in place; the current one becomes the
-    spare. Rewriting a file's pages costs the kernel less than allocating new ones (684 MB
-    on a 2-core machine: 0.4 s instead of 0.7 s), for a save beside training every epoch.
+    spare. Rewriting a file's pages costs the kernel less than allocating new ones (684 MB:
+    see docs/results.md), which matters for a save beside training every epoch.
     The spare is one more copy on disk until :func:`remove_spares` at the end of the run.
     """
     path = Path(path)
