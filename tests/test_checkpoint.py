@@ -53,7 +53,7 @@ def test_background_writer_reports_an_error_at_the_next_wait(tmp_path):
 def test_a_save_that_does_not_fit_fails_at_submit_counting_the_spare_it_rewrites(tmp_path,
                                                                                 monkeypatch):
     """One space check, in the caller's thread before any write: a spare counts as free space,
-    since the save rewrites it in place."""
+    since the save rewrites it in place, unless best.pth names its file."""
     path, state = tmp_path / "last.pth", {"w": torch.zeros(2**18)}  # 1 MB of tensors, + 1 MB
     usage = checkpoint_writer.shutil.disk_usage(tmp_path)
     monkeypatch.setattr(checkpoint_writer.shutil, "disk_usage",
@@ -62,7 +62,12 @@ def test_a_save_that_does_not_fit_fails_at_submit_counting_the_spare_it_rewrites
     with pytest.raises(checkpoint_writer.DiskFull, match="needs 2 MB .* has 1 MB free"):
         writer.submit([(state, path)])
     assert not writer.busy and list(tmp_path.iterdir()) == [], "nothing started, nothing written"
-    (tmp_path / ".last.pth.spare").write_bytes(bytes(2**20))  # the version before: 1 MB
+    spare = tmp_path / ".last.pth.spare"
+    spare.write_bytes(bytes(2**20))  # the version before: 1 MB
+    (tmp_path / "best.pth").hardlink_to(spare)  # best.pth's file: set aside, not rewritten
+    with pytest.raises(checkpoint_writer.DiskFull, match="has 1 MB free"):
+        writer.submit([(state, path)])
+    (tmp_path / "best.pth").unlink()  # the spare is the save's own again
     writer.submit([(state, path)])
     writer.wait()
     assert torch.equal(torch.load(path, weights_only=True)["w"], state["w"])

@@ -211,12 +211,14 @@ class BackgroundWriter:
     def submit(self, files: List[Any], label: str = "") -> None:
         """Start writing ``files`` (``(snapshot, path)``, or a :class:`Link` to make) in this
         order, once the previous save is done; ``label`` says what the first file holds, for
-        :attr:`landed`. A save that cannot fit on its disk (beside a spare, which is
-        rewritten in place and so already holds its size) fails here, at once."""
+        :attr:`landed`. A save that cannot fit on its disk (beside a spare of its own, which
+        is rewritten in place and so already holds its size) fails here, at once."""
         self.wait()
         for obj, path in (f for f in files if not isinstance(f, Link)):
             needed, free, spare = _nbytes(obj), _free(path.parent), _spare(path)
-            if free is not None and free + (spare.is_file() and spare.stat().st_size) < needed:
+            # A spare that is also best.pth's file is set aside, not rewritten: no room.
+            reused = spare.stat().st_size if spare.is_file() and spare.stat().st_nlink == 1 else 0
+            if free is not None and free + reused < needed:
                 raise DiskFull(path, needed, free)
         self._done.clear()
         self._thread = threading.Thread(target=self._write, args=(files, label),
