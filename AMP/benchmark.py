@@ -18,8 +18,8 @@ group, or under torchrun in its group (then they alone, and rank 0 prints):
         --comm_hook none,fp16,bf16,powersgd          # a row per hook: step time, bytes sent
 
 Input pipeline: images/s delivered to the device at --img_size by the article's PIL
-path, the classic DataLoader path (ampkit.machinery.data) and the fast device path
-(ampkit.machinery.fastdata), on CIFAR-10 when --dataset_root holds it, else on generated images
+path, the classic DataLoader path (ampkit.data.classic) and the fast device path
+(ampkit.data.on_device), on CIFAR-10 when --dataset_root holds it, else on generated images
 in CIFAR-10's format. The measuring code: tools/measure_steps.py, tools/measure_input.py.
 """
 from __future__ import annotations
@@ -34,13 +34,15 @@ from typing import List, Optional
 
 import torch
 
-from ampkit.machinery.data import default_workers
-from ampkit.machinery.hardware_use import fp32_peak_math, peak_tflops
-from ampkit.machinery.process import UserError, report_user_errors, want_cuda
+from ampkit.data.classic import default_workers
+from ampkit.device import want_cuda
+from ampkit.errors import UserError, report_user_errors
+from ampkit.flops import fp32_peak_math, peak_tflops
 from ampkit.precision import cpu_has_fast_bf16, set_tf32
 from tools import measure_input, measure_steps, tables
 from tools.bench_flags import PIPELINES, parse_args
 from tools.variants import TRAIN_VARIANTS
+
 
 def peaks(args: argparse.Namespace, device, fp32_math: str) -> tuple:
     """(the fp16/bf16 peak, the fp32 rows' peak) of one device: the flags', else the table's
@@ -51,7 +53,7 @@ def peaks(args: argparse.Namespace, device, fp32_math: str) -> tuple:
         half = half if half is not None else peak_tflops(name, "half")
         full = full if full is not None else peak_tflops(name, fp32_peak_math(fp32_math))
         if half is None or full is None:
-            print(f"note: no peak TFLOP/s known for {name} (ampkit/machinery/hardware_use.py): no "
+            print(f"note: no peak TFLOP/s known for {name} (ampkit/flops.py): no "
                   "utilisation without --peak_tflops and --peak_tflops_fp32", flush=True)
     return half, full
 

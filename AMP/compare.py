@@ -52,10 +52,10 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ampkit.machinery.archs import check_arch_flags
-from ampkit.machinery.config import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
-                                     train_parser)
-from ampkit.machinery.process import UserError
+from ampkit.errors import UserError
+from ampkit.flags import AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser, train_parser
+from ampkit.models import check_arch_flags
+from ampkit.technique import DEFAULT_LR
 from tools import report, stats
 from tools.compare_results import TB_ACCURACY, write_results
 from tools.comparison import Comparison, short
@@ -84,7 +84,7 @@ def build_parser() -> Parser:
     g.add_argument("--epochs", type=int, default=d.get_default("epochs"))
     g.add_argument("--batch_size", type=int, default=d.get_default("batch_size"),
                    help="batch size; PER PROCESS for the DDP variants, as in their scripts")
-    g.add_argument("--lr", type=float, default=d.get_default("lr"))
+    g.add_argument("--lr", type=float, default=DEFAULT_LR)
     g.add_argument("--seed", type=int, default=d.get_default("seed"))
     g.add_argument("--num_workers", type=int, default=None,
                    help="DataLoader workers (default: the scripts' own, 4 with CUDA, 0 on the CPU)")

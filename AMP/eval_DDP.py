@@ -15,25 +15,32 @@ import torch
 import torch.distributed as dist
 
 from ampkit.distributed import GROUP_TIMEOUT, elastic_store, torchrun_env
+from ampkit.errors import report_user_errors
 from ampkit.evaluate import Evaluation
-from ampkit.machinery.config import parse_eval_args
-from ampkit.machinery.process import report_user_errors
+from ampkit.flags import parse_eval_args
 
 
-@report_user_errors  # a user's mistake: one line and exit status 2
+@report_user_errors
 def main(argv=None):
     args = parse_eval_args("eval_DDP", argv, __doc__, process_group=True)
-    rank, world_size, device = torchrun_env(args.cuda)  # device: cuda:LOCAL_RANK, or the CPU
+    rank, world_size, device = torchrun_env(args.cuda)
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # before any CUDA work, or every rank would use GPU 0
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, store=elastic_store(rank, world_size),
-                            timeout=GROUP_TIMEOUT, device_id=device.index)  # None on the CPU
-    try:  # the group is left on every way out: the end or an error
-        ev = Evaluation(args, device)  # checkpoint, test split, model with its weights
-        shard = range(rank, ev.test_size, world_size)  # every world_size-th image, from `rank` on
-        counts = ev.count_correct(ev.model, shard)  # tensor([correct, seen]) of this shard
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM)  # summed over all processes: exact totals
+                            timeout=GROUP_TIMEOUT, device_id=device.index)
+    try:
+        ev = Evaluation(args.checkpoint, device, name=args.variant, arch=args.arch,
+                        dataset=args.dataset, dataset_root=args.dataset_root,
+                        img_size=args.img_size, batch_size=args.batch_size, loader=args.loader,
+                        num_workers=args.num_workers, channels_last=args.channels_last,
+                        skip_bad=args.skip_bad_images, autocast=args.autocast,
+                        amp_dtype=args.amp_dtype)
+        # Every world_size-th test image from this rank's on: disjoint shards that cover each
+        # image once (the article's DistributedSampler padded them with repeated images).
+        shard = range(rank, ev.test_size, world_size)
+        counts = ev.count_correct(ev.model, shard)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         ev.report(*counts.tolist())
     finally:
         dist.destroy_process_group()

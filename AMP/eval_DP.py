@@ -12,17 +12,26 @@ the flags.
 """
 from torch import nn
 
+from ampkit.device import single_process_device
+from ampkit.errors import report_user_errors
 from ampkit.evaluate import Evaluation
-from ampkit.machinery.config import parse_eval_args
-from ampkit.machinery.process import report_user_errors
+from ampkit.flags import parse_eval_args
 
 
 @report_user_errors
 def main(argv=None):
     args = parse_eval_args("eval_DP", argv, __doc__)
-    ev = Evaluation(args)  # device, checkpoint, test split, model with its weights
-    model = nn.DataParallel(ev.model)  # all visible GPUs; each batch is split between them
-    counts = ev.count_correct(model, range(ev.test_size))  # tensor([correct, seen])
+    device = single_process_device(args.cuda)
+    ev = Evaluation(args.checkpoint, device, name=args.variant, arch=args.arch,
+                    dataset=args.dataset, dataset_root=args.dataset_root,
+                    img_size=args.img_size, batch_size=args.batch_size, loader=args.loader,
+                    num_workers=args.num_workers, channels_last=args.channels_last,
+                    skip_bad=args.skip_bad_images, autocast=args.autocast,
+                    amp_dtype=args.amp_dtype)
+    # All visible GPUs, each batch split between them: the weights are loaded first, then
+    # the model is wrapped (the article loaded a "module."-prefixed state at every batch).
+    model = nn.DataParallel(ev.model)
+    counts = ev.count_correct(model, range(ev.test_size))
     ev.report(*counts.tolist())
 
 

@@ -7,17 +7,23 @@ Every variant's checkpoint loads here (weights are saved without DataParallel's 
 `module.` prefix); the data set, its root and the image size default to the ones the
 checkpoint was trained with. `--help` lists the flags.
 """
+from ampkit.device import single_process_device
+from ampkit.errors import report_user_errors
 from ampkit.evaluate import Evaluation
-from ampkit.machinery.config import parse_eval_args
-from ampkit.machinery.process import report_user_errors
+from ampkit.flags import parse_eval_args
 
 
 @report_user_errors
 def main(argv=None):
     args = parse_eval_args("eval_without", argv, __doc__)
-    ev = Evaluation(args)  # device, checkpoint, test split, model with its weights
-    model = ev.model
-    counts = ev.count_correct(model, range(ev.test_size))  # tensor([correct, seen])
+    device = single_process_device(args.cuda)
+    ev = Evaluation(args.checkpoint, device, name=args.variant, arch=args.arch,
+                    dataset=args.dataset, dataset_root=args.dataset_root,
+                    img_size=args.img_size, batch_size=args.batch_size, loader=args.loader,
+                    num_workers=args.num_workers, channels_last=args.channels_last,
+                    skip_bad=args.skip_bad_images, autocast=args.autocast,
+                    amp_dtype=args.amp_dtype)
+    counts = ev.count_correct(ev.model, range(ev.test_size))
     ev.report(*counts.tolist())
 
 

@@ -9,6 +9,7 @@ Pitfall: --batch_size is per process. float16 without a scaler may underflow:
 train_DDP_GradScaler.py, or --amp_dtype bfloat16.
 """
 import contextlib
+import math
 import sys
 
 import torch
@@ -16,48 +17,45 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from ampkit.distributed import GROUP_TIMEOUT, elastic_store, local_main_first, torchrun_env
+from ampkit.checkpoint import Saver, restore, resume
+from ampkit.comm_hooks import CommHook
+from ampkit.data import build_loaders
+from ampkit.distributed import (GROUP_TIMEOUT, elastic_store, local_main_first, stop_vote,
+                                torchrun_env)
 from ampkit.engine import count_correct, train_one_epoch
-from ampkit.precision import compile_in_place
-from ampkit.technique import Parts, Technique, make_parts
-from ampkit.machinery.config import parse_train_args
-from ampkit.machinery.data import build_loaders
-from ampkit.machinery.log import header_line
-from ampkit.machinery.process import report_user_errors
-from ampkit.train import EpochFigures, RunFolder, Saver, restore, resume, stop_vote
+from ampkit.errors import report_user_errors
+from ampkit.flags import parse_train_args
+from ampkit.log import header_line
+from ampkit.meters import Meters
+from ampkit.models import compile_in_place, make_network
+from ampkit.precision import set_cuda_math
+from ampkit.run_folder import RunFolder
+from ampkit.technique import Parts, Technique
 
 
 def build(parts: Parts) -> Technique:
-    model = parts.model  # on this process's device: cuda:LOCAL_RANK, or the CPU
-    # A whole replica per process; backward() averages the gradients over them. The model is
-    # on its device already (the article wrapped it first, then moved it).
-    model = DistributedDataParallel(model)  # device_ids: the model's own device
-    # What the all-reduce sends, bucket by bucket (--comm_hook): the fp32 gradients, or cast
-    # to fp16/bf16 and back (half the bytes), or PowerSGD's low-rank factors; bytes counted.
+    model = DistributedDataParallel(parts.network)
     model.register_comm_hook(parts.comm_hook.state, parts.comm_hook.hook)
     criterion = parts.criterion
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
     autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
 
-    def forward_backward(images, targets, weight):  # one micro-batch, its share of the step
-        with autocast:  # the forward pass and the loss; backward follows the forward's dtypes
+    def forward_backward(images, targets, weight):
+        with autocast:
             loss = criterion(model(images), targets) * weight
-        loss.backward()  # adds its gradients to the step's
+        loss.backward()
         return loss.detach()
 
-    def train_step(micro_batches):  # one optimizer step over --accum_steps of them
-        n = sum(len(y) for _, y in micro_batches)  # its images (fewer at an epoch's end)
+    def train_step(micro_batches):
+        n = sum(len(y) for _, y in micro_batches)
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for i, (x, y) in enumerate(micro_batches):
-            # All but the last inside no_sync, forward too: one all-reduce a step.
             with model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                 loss += forward_backward(x, y, len(y) / n)
-        # The norm before clipping, logged every epoch; only --clip_grad scales the
-        # gradients (clip_grad_norm_ would multiply them all by 1.0 without it).
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
-        if parts.clip_grad is not None:  # --clip_grad MAX_NORM: scaled down to it
+        if parts.clip_grad is not None:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
         optimizer.step()
         return loss, norm
@@ -65,81 +63,83 @@ def build(parts: Parts) -> Technique:
     return Technique(model, optimizer, train_step, autocast)
 
 
-@report_user_errors  # a user's mistake: one line and exit status 2, never a traceback
+@report_user_errors
 def main(argv=None):
     args = parse_train_args("train_DDP_autocast", argv, __doc__, process_group=True)
-    # One process per GPU, in a group from torchrun's RANK, WORLD_SIZE and LOCAL_RANK (the
-    # article set rank and address by hand, and used gloo on GPUs too).
-    rank, world_size, device = torchrun_env(args.cuda)  # device: cuda:LOCAL_RANK, or the CPU
+    rank, world_size, device = torchrun_env(args.cuda)
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # before any CUDA work, or every rank would use GPU 0
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=world_size, store=elastic_store(rank, world_size),
-                            timeout=GROUP_TIMEOUT, device_id=device.index)  # None on the CPU
-    try:  # the group is left on every way out: the end, a stop, an error
-        with RunFolder(args, device) as run:  # the run folder and its lock; the last line
-            with local_main_first(run.info):  # a download: one process per node, then the rest
+                            timeout=GROUP_TIMEOUT, device_id=device.index)
+    fp32_math = set_cuda_math(args.tf32, device)
+    try:
+        with RunFolder(args.checkpoint / args.variant, device,
+                       args.tensorboard_log / args.variant if args.tensorboard else None) as run:
+            with local_main_first(run.info):
                 data = build_loaders(args.dataset, args.dataset_root, args.img_size,
                                      args.batch_size, run.info, loader=args.loader,
-                                     num_workers=args.num_workers, channels_last=args.channels_last,
+                                     num_workers=args.num_workers,
+                                     channels_last=args.channels_last,
                                      skip_bad=args.skip_bad_images)
-            # Each process its own share of the data; the article's never changed its order.
             sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
-            loader = data.train_loader(sampler)  # its batches; resumable mid-epoch
-            parts = make_parts(args, run.info, data.num_classes, len(data.train_set))
-            resumed = resume(run.resume_path, parts.model, args, run.info)  # its weights
-            technique = build(parts)  # the model as the script wraps it, its optimizer and step
+            loader = data.train_loader(sampler)
+            network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
+                                   pretrained=args.pretrained, channels_last=args.channels_last)
+            resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
+                             args=args)
+            steps = args.epochs * math.ceil(len(loader) / args.accum_steps)
+            comm_hook = CommHook(args.comm_hook, powersgd_rank=args.powersgd_rank,
+                                 start_iter=args.powersgd_start_iter, run_steps=steps,
+                                 seed=args.seed)
+            technique = build(Parts(network, lr=args.lr, clip_grad=args.clip_grad,
+                                    amp_dtype=args.amp_dtype, comm_hook=comm_hook))
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
-            def checkpoint():  # rank 0 writes it: the unwrapped weights, without DDP's
-                # "module." prefix (the article saved it on every rank, prefix and all)
+
+            def training_state():
                 return {"model": technique.model.module.state_dict(),
                         "optimizer": technique.optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(),
-                        "comm_hook": parts.comm_hook.state_dict()}  # PowerSGD's step count
+                        "comm_hook": comm_hook.state_dict()}
 
-            # Rank 0's logger and saver (in the background), the stop vote: closed in reverse.
-            with (run.logger(resumed) as log,
-                  Saver(run.dir, args, run.info, resumed, data.num_classes) as saver,
+            with (run.logger(resumed, args.epochs) as log,
+                  Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
+                        num_classes=data.num_classes, args=args) as saver,
                   stop_vote(run.info, log.print) as vote):
-                restore(resumed, technique, scheduler, parts.comm_hook, args, log)  # saved states
+                restore(resumed, technique, scheduler, log, args=args, comm_hook=comm_hook)
                 if args.compile:
-                    compile_in_place(technique.model)  # torch.compile, around the wrapper
-                figures = EpochFigures(args, run, technique, parts, resumed,
-                                       loaders=(loader, data.val), log=log)
-                log.print(header_line(args, run.info, technique, data, run.fp32_math))
+                    compile_in_place(technique.model)
+                meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
+                                accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
+                                comm_hook=comm_hook, fp32_math=fp32_math,
+                                profile_dir=run.dir / "profile" if args.profile else None)
+                log.print(header_line(args.variant, technique, data, run.info,
+                                      accum_steps=args.accum_steps, clip_grad=args.clip_grad,
+                                      fp32_math=fp32_math))
 
-                for epoch in range(resumed.epoch, args.epochs):  # from a resumed run's epoch on
-                    sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
-                    start_step = resumed.step_in(epoch)  # a resumed epoch's: where its stop saved
-                    loader.sampler.start_index = start_step * args.batch_size * args.accum_steps
-                    figures.begin_epoch()  # its clock and memory peak
-                    technique.model.train()  # dropout on (count_correct turns it off)
-                    stats = train_one_epoch(  # the script's step, over the epoch's batches
-                        technique.train_step, loader, run.info, accum_steps=args.accum_steps,
-                        start_step=start_step, before=resumed.so_far_in(epoch), stop=vote,
-                        skipped=figures.skipped, max_nonfinite=5,  # 5 inf/NaN in a row: diverged
-                        log_every=args.log_every, desc=f"epoch {epoch + 1}/{args.epochs}",
-                        input_format=data.input_format, profiler=figures.profiler(epoch))
-                    if stats.stopped_at is not None:  # a signal: every rank stopped at this step
-                        saver.save_stop(checkpoint, epoch, stopped=stats)  # with its figures
+                for epoch in range(resumed.epoch, args.epochs):
+                    sampler.set_epoch(epoch)
+                    technique.model.train()
+                    stats = train_one_epoch(technique.train_step, loader, run.info, epoch=epoch,
+                                            meters=meters, accum_steps=args.accum_steps,
+                                            max_nonfinite=5,
+                                            stop=vote, log_every=args.log_every,
+                                            desc=f"epoch {epoch + 1}/{args.epochs}")
+                    if stats.stopped_at is not None:
+                        saver.save_stop(training_state, epoch, stats)
                         break
-                    counts = count_correct(  # tensor([correct, seen]) of this rank's shard
-                        technique.model, data.val, run.info, technique.autocast, desc="val",
-                        input_format=data.input_format, image_shape=data.image_shape)
-                    dist.all_reduce(counts)  # exact (the article divided each rank's own count)
+                    counts = count_correct(technique.model, data.val, run.info, technique.autocast,
+                                           desc="val")
+                    dist.all_reduce(counts)
                     correct, seen = counts.tolist()
-                    scheduler.step(correct / seen)  # on validation accuracy (mode="max")
-                    saver.save(checkpoint, epoch + 1, val_acc=correct / seen)  # last.pth, best.pth
-                    row = figures.row(epoch, stats, (correct, seen))  # every rank: it gathers
-                    log.epoch(row | saver.timing, args.epochs, (correct, seen))  # line, jsonl, TB
-                    if vote.any_rank_asked():  # a signal during validation, the save or the log
-                        saver.save_stop(checkpoint, epoch + 1)  # unless last.pth is this point
-                        break
-                run.end(figures, saver, vote, log)  # the summary, or where a stop saved
+                    scheduler.step(correct / seen)
+                    saver.save(training_state, epoch + 1, val_acc=correct / seen)
+                    log.epoch(meters.row(epoch, stats, correct, seen) | saver.timing)
+                run.end(meters, saver, vote, log)
     finally:
-        dist.destroy_process_group()  # leave the group (the article never did)
-    return run.status  # 0, or 128 + the signal after a stop
+        dist.destroy_process_group()
+    return run.status
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@
 # before it; no process of a step outlives it (bench/steps.sh); the header's commands
 # have timeouts too.
 #   1. the step benchmark at 227, batch 256, every row with its speed-up over the fp32 row
-#      of its parallel mode and its share of the GPU's peak (by name, machinery/hardware_use.py):
+#      of its parallel mode and its share of the GPU's peak (by name, ampkit/flops.py):
 #      single device, DataParallel, DDP and FSDP2 (one-process NCCL groups) in fp32 /
 #      fp16 / fp16 + GradScaler; channels_last; bf16; fp32 without TF32;
 #   2. pytest -m cuda (the only step that asserts);
@@ -54,7 +54,7 @@ if [ $DRY = 1 ]; then
   S_TRAIN=4; S_TEST=2; S_IMG=64; S_BS=2
 else
   DEV=--cuda; IMG=227; BS=256; STEPS="--steps 30 --warmup 10"; NTRAIN=50000; NTEST=10000
-  PIPE_B=30; WORKERS=8; PEAK=""  # the peaks: by the GPU's name (ampkit/machinery/hardware_use.py)
+  PIPE_B=30; WORKERS=8; PEAK=""  # the peaks: by the GPU's name (ampkit/flops.py)
   S_TRAIN=2560; S_TEST=512; S_IMG=128; S_BS=64  # the short runs: data, image size, batch
 fi
 source bench/steps.sh

@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 def _parts(model, **kw):
     from ampkit.technique import Parts
 
-    return Parts(CPU, model, nn.CrossEntropyLoss(), **kw)
+    return Parts(model, nn.CrossEntropyLoss(), **kw)
 
 
 def _batches(n: int, size: int, px: int, seed: int = 1):
@@ -73,7 +73,7 @@ def test_a_short_last_window_is_weighted_as_what_it_holds():
     """5 micro-batches with K = 2: steps over 2, 2 and 1; the last one's gradient is that one
     micro-batch's mean loss's, not half of it."""
     import train_without
-    from ampkit.machinery.process import DistInfo
+    from ampkit.device import DistInfo
     from ampkit.engine import train_one_epoch
 
     torch.manual_seed(0)
@@ -132,7 +132,7 @@ def test_every_scaler_script_accumulates_and_clips_as_at_scale_one(script, gloo_
     mixed precision takes the scaler in float16."""
     import importlib
 
-    from ampkit.machinery.checkpoint_files import strip_prefixes
+    from ampkit.checkpoint.files import strip_prefixes
 
     dtype = torch.float16 if script == "train_FSDP_mixed" else None
     made = []

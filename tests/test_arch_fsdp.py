@@ -106,7 +106,7 @@ def test_bf16_under_dataparallel_for_any_arch():
 
     torch.manual_seed(0)
     net = torchvision.models.get_model("resnet18", num_classes=3).eval()
-    v = train_DP_autocast.build(Parts(CPU, net, nn.CrossEntropyLoss(), amp_dtype="float16"))
+    v = train_DP_autocast.build(Parts(net, nn.CrossEntropyLoss(), amp_dtype="float16"))
     replica = v.model.module  # what DataParallel runs in each of its threads
     seen = {}
     net.layer1[0].conv1.register_forward_hook(lambda m, i, o: seen.__setitem__("conv", o.dtype))
@@ -151,9 +151,9 @@ def test_fsdp_precision_is_what_the_script_says(variant, gloo_of_one):
     net = alexnet(num_classes=3).eval()
     seen = {}
     net.classifier[4].register_forward_hook(lambda m, i, o: seen.__setitem__("fc2", o.dtype))
-    v = importlib.import_module(variant).build(Parts(CPU, net, nn.CrossEntropyLoss(),
+    v = importlib.import_module(variant).build(Parts(net, nn.CrossEntropyLoss(),
                                                      amp_dtype="bfloat16"))
-    assert v.compute_dtype is torch.bfloat16 and v.precision == variant.rsplit("_", 1)[1]
+    assert v.amp_dtype is torch.bfloat16 and v.precision == variant.rsplit("_", 1)[1]
     with torch.no_grad(), v.autocast or torch.autocast("cpu", enabled=False):
         out = v.model(torch.randn(2, 3, 64, 64))
     assert seen["fc2"] == torch.bfloat16
@@ -167,11 +167,11 @@ def test_fsdp_mixed_refuses_batchnorm_networks():
 
     import train_FSDP_mixed
     from ampkit.technique import Parts
-    from ampkit.machinery.process import UserError
+    from ampkit.errors import UserError
 
     net = torchvision.models.get_model("resnet18", num_classes=3)
     with pytest.raises(UserError, match="BatchNorm.*train_FSDP_autocast"):
-        train_FSDP_mixed.build(Parts(CPU, net, nn.CrossEntropyLoss(), arch="resnet18"))
+        train_FSDP_mixed.build(Parts(net, nn.CrossEntropyLoss()))
 
 
 def test_fsdp_takes_a_channels_last_model(gloo_of_one):
@@ -184,7 +184,7 @@ def test_fsdp_takes_a_channels_last_model(gloo_of_one):
 
     torch.manual_seed(0)
     net = alexnet(num_classes=3).to(memory_format=torch.channels_last)
-    t = train_FSDP.build(Parts(CPU, net, nn.CrossEntropyLoss()))
+    t = train_FSDP.build(Parts(net, nn.CrossEntropyLoss()))
     images = torch.randn(2, 3, 64, 64).contiguous(memory_format=torch.channels_last)
     loss, norm = t.train_step([(images, torch.tensor([0, 2]))])
     assert torch.isfinite(loss) and torch.isfinite(norm)

@@ -9,7 +9,7 @@ import torch
 
 from conftest import quick_flags
 
-from ampkit.machinery import checkpoint_writer
+from ampkit.checkpoint import writer as checkpoint_writer
 
 
 def test_atomic_save_with_spare_rotates_and_rewrites_in_place(tmp_path):

@@ -30,8 +30,8 @@ def _build(variant, model, amp_dtype=None, dp_scope="model"):
 
     from ampkit.technique import Parts
 
-    parts = Parts(torch.device("cuda", torch.cuda.current_device()), model, nn.CrossEntropyLoss(),
-                  amp_dtype, dp_scope)
+    model = model.to(torch.device("cuda", torch.cuda.current_device()))
+    parts = Parts(model, nn.CrossEntropyLoss(), amp_dtype=amp_dtype, dp_scope=dp_scope)
     return importlib.import_module(variant).build(parts)
 
 
@@ -76,9 +76,8 @@ def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
     NCCL group, with the ranks' stop vote after every step (on its gloo group, a CPU
     tensor: reading it must not wait for the GPU)."""
     from ampkit.distributed import StopVote, this_process
-    from ampkit.engine import train_one_epoch
-    from ampkit.machinery.signals import StopFlag
-    from ampkit.precision import SkippedSteps
+    from ampkit.engine import StepMeters, train_one_epoch
+    from ampkit.signals import StopFlag
 
     if vote:
         request.getfixturevalue("nccl_of_one")
@@ -107,7 +106,7 @@ def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
         info = this_process(dev)
         assert info.distributed == vote
         stats = train_one_epoch(v.train_step, stream(), info, log_every=1000,
-                                skipped=SkippedSteps(v.scaler, dev), input_format=cl,
+                                meters=StepMeters(v.scaler, dev),
                                 stop=StopVote(StopFlag(), info) if vote else None)
     finally:
         torch.cuda.set_sync_debug_mode("default")

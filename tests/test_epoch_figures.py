@@ -33,19 +33,18 @@ def test_skipped_steps_are_each_epochs_own():
     A first scale of 2**127 and large inputs overflow the scaled gradients of the first steps
     (5 on this project's machine), until the halved scale fits."""
     import train_GradScaler
-    from ampkit.machinery.process import DistInfo
-    from ampkit.engine import train_one_epoch
+    from ampkit.device import DistInfo
+    from ampkit.engine import StepMeters, train_one_epoch
     from ampkit.technique import Parts
-    from ampkit.precision import SkippedSteps
 
-    t = train_GradScaler.build(Parts(CPU, _tiny_net(), nn.CrossEntropyLoss()))
+    t = train_GradScaler.build(Parts(_tiny_net(), nn.CrossEntropyLoss()))
     t.scaler.load_state_dict(t.scaler.state_dict() | {"scale": 2.0 ** 127})
     gen = torch.Generator().manual_seed(0)
     batches = [(1000 * torch.randn(4, 3, 16, 16, generator=gen),
                 torch.randint(0, 3, (4,), generator=gen)) for _ in range(12)]
-    skipped, info = SkippedSteps(t.scaler, CPU), DistInfo(device=CPU)
-    first = train_one_epoch(t.train_step, batches, info, max_nonfinite=None, skipped=skipped)
-    second = train_one_epoch(t.train_step, batches, info, max_nonfinite=None, skipped=skipped)
+    meters, info = StepMeters(t.scaler, CPU), DistInfo(device=CPU)
+    first = train_one_epoch(t.train_step, batches, info, max_nonfinite=None, meters=meters)
+    second = train_one_epoch(t.train_step, batches, info, max_nonfinite=None, meters=meters)
     assert 1 <= first.skipped < 12, first
     assert second.skipped == 0, "the second epoch counted the first epoch's skips"
     assert t.scaler.get_scale() < 2.0 ** 127
@@ -56,7 +55,7 @@ def test_peak_memory_is_each_epochs_own(imagefolder_root, tmp_path, capsys, monk
     """1.5 GB held for a moment in epoch 1 only: epoch 2's peak must not show it. (On a GPU
     the same reset applies to max_memory_allocated.)"""
     import train_without
-    from ampkit.machinery.hardware_use import reset_peak_memory
+    from ampkit.device import reset_peak_memory
 
     if not reset_peak_memory(CPU):
         pytest.skip("this system cannot reset a process's peak RSS")
@@ -120,8 +119,8 @@ def test_every_epoch_trains_in_a_new_order(script, imagefolder_root, tmp_path, c
 
 
 def test_several_processes_without_a_distributed_sampler_are_refused():
-    from ampkit.machinery.samplers import one_process_sampler
-    from ampkit.machinery.process import UserError
+    from ampkit.data.samplers import one_process_sampler
+    from ampkit.errors import UserError
 
     assert len(one_process_sampler(10, 0)) == 10
     with pytest.raises(UserError, match="DistributedSampler"):
@@ -180,7 +179,7 @@ def test_each_epoch_reports_its_achieved_tflops_and_share_of_the_peak(imagefolde
 def test_the_peak_is_the_gpus_by_its_name_and_a_missing_one_is_said(monkeypatch):
     import torch
 
-    from ampkit.machinery.hardware_use import run_peak
+    from ampkit.flops import run_peak
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200 NVL")

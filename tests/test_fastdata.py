@@ -1,4 +1,4 @@
-"""The fast input path (ampkit.machinery.fastdata) against the classic DataLoader path (ampkit.machinery.data).
+"""The fast input path (ampkit.data.on_device) against the classic DataLoader path (ampkit.data.classic).
 
 - Same samples: for the same indices, the same labels and, within one uint8 step of
   interpolation rounding, the same images as torchvision's PIL transforms; the same
@@ -22,11 +22,13 @@ from torch import nn
 
 from torch.utils.data import DistributedSampler
 
-from ampkit.machinery.process import DistInfo, UserError
-from ampkit.machinery.data import eval_loader, train_loader
-from ampkit.machinery.datasets import STD, build_datasets, build_transform
-from ampkit.machinery.samplers import one_process_sampler
-from ampkit.machinery.fastdata import DeviceLoader, fast_loaders, fits_in_memory, load_uint8
+from ampkit.device import DistInfo
+from ampkit.errors import UserError
+from ampkit.data.classic import eval_loader, train_loader
+from ampkit.data.datasets import STD, build_datasets, build_transform
+from ampkit.data.samplers import one_process_sampler
+from ampkit.data.loaders import build_loaders
+from ampkit.data.on_device import DeviceLoader, fast_loaders, load_uint8
 from tools.cifar_files import write_cifar10
 from tools.measure_input import _ctrl_c_between_batches, measure_input_pipeline
 
@@ -54,7 +56,7 @@ def classic_images(dataset, indices, img_size):
 def test_same_images_and_labels_as_classic(name, img_size, resize_uint8, cifar_root):
     """Validation order is rank::world_size in both paths, so batches line up index by index.
     resize_uint8=False runs the float resize that CUDA uses, here on the CPU."""
-    classic = build_datasets(name, cifar_root, img_size, info(), train=False).val
+    classic = build_datasets(name, cifar_root, img_size, download=False, train=False).val
     _, val, num_classes = fast_loaders(name, cifar_root, img_size, 8, info(), train=False)
     val.resize_uint8 = resize_uint8
     images, labels = next(iter(val))
@@ -72,7 +74,7 @@ def test_same_images_and_labels_as_classic(name, img_size, resize_uint8, cifar_r
 
 
 def test_uint8_split_matches_torchvision(cifar_root):
-    classic = build_datasets("CIFAR10", cifar_root, 32, info())
+    classic = build_datasets("CIFAR10", cifar_root, 32, download=False)
     for split, ds in (("train", classic.train), ("val", classic.val)):
         images, labels = load_uint8("CIFAR10", cifar_root, info(), train=split == "train")
         assert images.dtype == torch.uint8 and images.is_contiguous()
@@ -86,11 +88,11 @@ def test_training_order_and_flips_match_classic(cifar_root):
     both paths: each epoch's images are the classic path's to one uint8 step, some of them
     mirrored; and a resumed epoch (start_index) gets the very flips of its rest."""
     img_size = 64
-    classic = build_datasets("CIFAR10", cifar_root, img_size, info())
+    classic = build_datasets("CIFAR10", cifar_root, img_size, download=False)
     train_set, _, _ = fast_loaders("CIFAR10", cifar_root, img_size, 8, info())
     fast_order, classic_order = (one_process_sampler(len(train_set), 3) for _ in range(2))
     train = train_set.loader(fast_order)
-    classic_dl = train_loader(classic.train, 8, 0, info(), sampler=classic_order)
+    classic_dl = train_loader(classic.train, classic_order, batch_size=8, img_size=img_size)
     for epoch in (0, 1):
         fast_order.set_epoch(epoch)
         classic_order.set_epoch(epoch)
@@ -118,9 +120,11 @@ def test_channels_last_option(cifar_root):
         assert torch.equal(x, x_ref)
 
 
-def test_in_memory_datasets_only(imagefolder_root, tmp_path, monkeypatch):
-    assert fits_in_memory("CIFAR10") and fits_in_memory("FakeData")
-    assert not fits_in_memory("ImageFolder")
+def test_in_memory_datasets_only(imagefolder_root, cifar_root, tmp_path, monkeypatch):
+    auto = {name: build_loaders(name, root, 32, 8, info()).kind
+            for name, root in (("CIFAR10", cifar_root), ("FakeData", cifar_root),
+                               ("ImageFolder", imagefolder_root))}
+    assert auto == {"CIFAR10": "fast", "FakeData": "fast", "ImageFolder": "classic"}
     with pytest.raises(UserError, match="classic"):
         fast_loaders("ImageFolder", imagefolder_root, 64, 8, info())
     import socket
@@ -235,7 +239,7 @@ def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
     # compared here is the input path, not the model.
     for i in (1, 4):
         model.classifier[i].requires_grad_(False)
-    v = train_without.build(Parts(CPU, model, nn.CrossEntropyLoss(), lr=3e-4))
+    v = train_without.build(Parts(model, nn.CrossEntropyLoss(), lr=3e-4))
     losses = []
     for epoch in range(epochs):
         train_dl.sampler.sampler.set_epoch(epoch)
@@ -251,10 +255,10 @@ def test_fast_path_learns_as_well_as_classic(tmp_path):
     img_size, batch = 64, 16
     train_set, val_dl, num_classes = fast_loaders("CIFAR10", root, img_size, batch, info())
     fast_acc, fast_losses = train_and_evaluate(train_set.loader(), val_dl, num_classes)
-    data = build_datasets("CIFAR10", root, img_size, info())
+    data = build_datasets("CIFAR10", root, img_size, download=False)
     classic_acc, classic_losses = train_and_evaluate(
-        train_loader(data.train, batch, 0, info(), seed=0),
-        eval_loader(data.val, batch, 0, info()), data.num_classes)
+        train_loader(data.train, batch_size=batch, img_size=img_size, seed=0),
+        eval_loader(data.val, info(), batch_size=batch, img_size=img_size), data.num_classes)
     # 4 classes (chance 0.25). Measured: 1.0 on both paths, losses 1.94 -> 0.7.
     assert fast_acc >= 0.7 and classic_acc >= 0.7, (fast_acc, classic_acc)
     assert fast_acc >= classic_acc - 0.25, (fast_acc, classic_acc)

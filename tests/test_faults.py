@@ -157,7 +157,7 @@ def _cifar(root: Path, archive: bool, *extra: tarfile.TarInfo, broken: bool = Tr
 
 def _trust_the_archive(root: Path, monkeypatch) -> None:
     """Take the test archive's md5 for CIFAR-10's published one (the real archive is 163 MB)."""
-    from ampkit.machinery import cifar
+    from ampkit.data import datasets as cifar
 
     monkeypatch.setattr(cifar, "ARCHIVE_MD5", hashlib.md5((root / ARCHIVE).read_bytes()).hexdigest())
 
@@ -284,7 +284,7 @@ def _first_run(imagefolder_root, tmp_path, capsys, *extra) -> Path:
 def test_full_disk_is_found_before_writing(imagefolder_root, tmp_path, capsys, monkeypatch):
     run_dir = _first_run(imagefolder_root, tmp_path, capsys)
     before = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"]
-    from ampkit.machinery import checkpoint_writer
+    from ampkit.checkpoint import writer as checkpoint_writer
 
     usage = shutil.disk_usage(run_dir)
     monkeypatch.setattr(checkpoint_writer.shutil, "disk_usage",
@@ -301,7 +301,7 @@ def test_full_disk_is_found_before_writing(imagefolder_root, tmp_path, capsys, m
 def test_disk_full_during_the_first_write_leaves_no_best_without_last(imagefolder_root,
                                                                       tmp_path, capsys,
                                                                       monkeypatch):
-    from ampkit.machinery import checkpoint_writer
+    from ampkit.checkpoint import writer as checkpoint_writer
 
     def no_space(obj, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -319,7 +319,7 @@ def test_disk_full_during_the_first_write_leaves_no_best_without_last(imagefolde
 _HOLD = """
 import sys, time
 sys.path.insert(0, "AMP")
-from ampkit.machinery.run_folder import RunLock
+from ampkit.run_folder import RunLock
 lock = RunLock(sys.argv[1])
 print("locked", flush=True)
 time.sleep(300)
@@ -352,7 +352,7 @@ def test_second_run_in_the_same_folder_is_refused_until_the_first_dies(imagefold
 def test_log_survives_a_kill_mid_write(tmp_path):
     """A partial last line (the process killed while writing it) and rows of epochs the
     checkpoint does not hold are dropped when the run resumes; the rest stays JSON lines."""
-    from ampkit.machinery.log import RunLogger
+    from ampkit.log import RunLogger
 
     log = tmp_path / "log.jsonl"
     log.write_text('{"epoch": 1, "val_acc": 0.5}\n{"epoch": 2, "val_acc": 0.6}\n{"epoch": 3, "va')
@@ -467,8 +467,8 @@ ESCAPED = [b"h\x07.", b"\x80\x02(.", b"}(K\x01h\x02u.",
 
 @pytest.mark.filterwarnings("error")  # no warning noise either
 def test_random_bytes_are_never_a_traceback(tmp_path):
-    from ampkit.machinery import checkpoint_files
-    from ampkit.machinery.process import UserError
+    from ampkit.checkpoint import files as checkpoint_files
+    from ampkit.errors import UserError
 
     rng = np.random.default_rng(2026)
     blobs = [rng.bytes(int(rng.integers(1, 4096))) for _ in range(400)] + ESCAPED
@@ -485,7 +485,7 @@ def test_random_bytes_are_never_a_traceback(tmp_path):
 def test_ctrl_c_before_training_is_said_once_by_rank_0(rank, said, capsys, monkeypatch):
     """A terminal's Ctrl-C reaches every rank of a torchrun job: one line, rank 0's; every
     rank exits 130."""
-    from ampkit.machinery.process import report_user_errors
+    from ampkit.errors import report_user_errors
 
     monkeypatch.setattr("sys.argv", ["prog.py"])
     monkeypatch.setenv("RANK", rank)

@@ -58,7 +58,7 @@ def recording(model: nn.Module):
 def build(variant: str, model: nn.Module, dp_scope: str = "model",
           amp_dtype: str | None = None) -> Technique:
     """The variant's objects, as its training script's build() makes them."""
-    parts = Parts(CPU, model, nn.CrossEntropyLoss(), amp_dtype, dp_scope, lr=0.0)
+    parts = Parts(model, nn.CrossEntropyLoss(), amp_dtype=amp_dtype, dp_scope=dp_scope, lr=0.0)
     return importlib.import_module(variant).build(parts)
 
 
@@ -79,7 +79,7 @@ def test_variant_forward_dtype(variant, model, images, gloo_of_one):
     expected_wrapper = {"single": AlexNet, "dp": nn.DataParallel,
                         "ddp": nn.parallel.DistributedDataParallel}[parallel]
     assert type(v.model) is expected_wrapper
-    assert v.precision == precision and v.compute_dtype == (None if precision == "fp32" else want)
+    assert v.precision == precision and v.amp_dtype == (None if precision == "fp32" else want)
     assert (v.scaler is not None) == (precision == "grad_scaler")
     assert v.optimizer.param_groups[0]["params"][0] is next(model.parameters())
     # The DataParallel autocast scripts wrap what is replicated, so that it re-enters autocast
@@ -224,7 +224,7 @@ def test_compile_runs_the_backward_outside_autocast():
     notes: backward_pass_autocast "off"; the default runs it under the forward's autocast)."""
     from torch._functorch import config
 
-    from ampkit.precision import compile_in_place
+    from ampkit.models import compile_in_place
 
     before = config.backward_pass_autocast
     try:

@@ -271,7 +271,7 @@ def test_pickled_payload_is_refused_and_never_runs(tmp_path, imagefolder_root, c
 def ckpt_3class(tmp_path_factory) -> Path:
     """A good checkpoint (3-class AlexNet weights), written in-process as training writes it."""
     from alexnet import alexnet
-    from ampkit.machinery.checkpoint_writer import atomic_save
+    from ampkit.checkpoint.writer import atomic_save
 
     path = tmp_path_factory.mktemp("ckpt3") / "last.pth"
     torch.manual_seed(0)
@@ -304,8 +304,8 @@ def test_corrupt_or_foreign_checkpoint_is_one_line(name, ckpt_3class, tmp_path):
     """In-process (fast): checkpoint_files.load names the file and the cause in one line."""
     import re
 
-    from ampkit.machinery import checkpoint_files
-    from ampkit.machinery.process import UserError
+    from ampkit.checkpoint import files as checkpoint_files
+    from ampkit.errors import UserError
 
     path = _corrupt_file(name, ckpt_3class, tmp_path)
     with pytest.raises(UserError) as e:
@@ -351,9 +351,9 @@ def _nan_model_run(variant: str):
 
     from torch import nn
 
-    from ampkit.machinery.process import DistInfo
+    from ampkit.device import DistInfo
     from ampkit.technique import Parts
-    from ampkit.precision import SkippedSteps
+    from ampkit.engine import StepMeters
 
     cpu = torch.device("cpu")
     torch.manual_seed(0)
@@ -361,12 +361,12 @@ def _nan_model_run(variant: str):
                           nn.Linear(4, 3))
     with torch.no_grad():
         model[-1].bias.fill_(float("nan"))
-    v = importlib.import_module(variant).build(Parts(cpu, model, torch.nn.CrossEntropyLoss(),
+    v = importlib.import_module(variant).build(Parts(model, torch.nn.CrossEntropyLoss(),
                                                      lr=0.0))
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randn(2, 3, 64, 64, generator=gen), torch.randint(0, 3, (2,), generator=gen))
                for _ in range(8)]
-    return v.train_step, batches, DistInfo(device=cpu), SkippedSteps(v.scaler, cpu)
+    return v.train_step, batches, DistInfo(device=cpu), StepMeters(v.scaler, cpu)
 
 
 def test_nonfinite_loss_without_scaler_stops_with_clear_error():
@@ -380,8 +380,8 @@ def test_nonfinite_loss_without_scaler_stops_with_clear_error():
 def test_nonfinite_with_scaler_counts_skipped_steps():
     from ampkit.engine import train_one_epoch
 
-    step, batches, info, skipped = _nan_model_run("train_GradScaler")
-    stats = train_one_epoch(step, batches, info, log_every=4, max_nonfinite=None, skipped=skipped)
+    step, batches, info, meters = _nan_model_run("train_GradScaler")
+    stats = train_one_epoch(step, batches, info, log_every=4, max_nonfinite=None, meters=meters)
     assert stats.steps == 8 and stats.skipped == 8 and stats.nonfinite == 8
 
 

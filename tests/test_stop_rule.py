@@ -3,7 +3,7 @@ waiting: two gloo processes (fresh interpreters, ``torch.multiprocessing.spawn``
 DDP script in-process, each scenario a signal to one rank -- or different ones to both --
 in a step, in an epoch's last (short) step, in validation, in the save, in the last epoch;
 then a ``fully_shard`` model's validation over uneven and empty shards.
-The rule: ampkit/machinery/signals.py."""
+The rule: ampkit/signals.py."""
 from __future__ import annotations
 
 import json
@@ -76,14 +76,12 @@ def test_loader_workers_ignore_stop_signals_from_outside_but_end_with_their_proc
     """The classic loader's workers go on through a SIGTERM, SIGUSR1 or SIGINT that another
     process sends them (a scheduler signalling the job's whole group), and end when their own
     process terminates them, as ``multiprocessing`` does at its exit."""
-    from ampkit.machinery.data import train_loader
-    from ampkit.machinery.datasets import build_datasets
-    from ampkit.machinery.process import DistInfo
+    from ampkit.data.classic import train_loader
+    from ampkit.data.datasets import build_datasets
 
-    info = DistInfo(torch.device("cpu"))
     before = children()
-    loader = train_loader(build_datasets("ImageFolder", imagefolder_root, 32, info).train, 4, 2,
-                          info)
+    train_set = build_datasets("ImageFolder", imagefolder_root, 32, download=False).train
+    loader = train_loader(train_set, batch_size=4, num_workers=2, img_size=32)
     batches = iter(loader)
     next(batches)
     workers = children() - before

@@ -140,9 +140,9 @@ def test_ddp_at_4_processes_with_an_empty_shard_and_an_unreadable_image(mini_ima
 # ------------------------------------------------------------------ in-process, the rules
 def _agreed(args, run_dir: Path, others: list):
     """What rank 0 of a group resumes, given what its other ranks see (``others``)."""
-    from ampkit.machinery.resume import agreed_path, what_this_rank_sees
+    from ampkit.checkpoint.resume import agreed_path, what_this_rank_sees
 
-    return agreed_path([what_this_rank_sees(args, run_dir), *others], 0)
+    return agreed_path([what_this_rank_sees(args.resume, run_dir), *others], 0)
 
 
 def _args(ckpt: Path, resume="auto"):
@@ -152,8 +152,8 @@ def _args(ckpt: Path, resume="auto"):
 
 
 def test_rank_0_decides_what_is_resumed_and_every_rank_must_see_it(tmp_path):
-    from ampkit.machinery.process import UserError
-    from ampkit.machinery.resume import _identity
+    from ampkit.errors import UserError
+    from ampkit.checkpoint.resume import _identity
 
     run_dir = tmp_path / "train_DDP"
     run_dir.mkdir()
@@ -197,7 +197,7 @@ def test_the_identity_is_the_zip_directory_however_many_records(tmp_path):
     found from its end record -- every record's CRC-32, and nothing else of the file."""
     import struct
 
-    from ampkit.machinery.checkpoint_files import identity
+    from ampkit.checkpoint.files import identity
 
     path = tmp_path / "a.pth"
     torch.save({f"w{i}": torch.zeros(1) for i in range(1500)}, path)
@@ -227,7 +227,7 @@ def test_the_stop_lands_after_the_step_or_with_peers_the_next(group, request):
     Either way the epoch ends there, at any --log_every."""
     from ampkit.distributed import StopVote, this_process
     from ampkit.engine import train_one_epoch
-    from ampkit.machinery.signals import StopFlag
+    from ampkit.signals import StopFlag
 
     if group:
         request.getfixturevalue("gloo_of_one")
@@ -250,7 +250,7 @@ def test_each_rank_and_each_gpu_draws_from_a_stream_of_its_own():
     """After the model: rank r's CPU stream (dropout, the classic path's flips) is its own,
     the same for the same seed; with CUDA every visible GPU's is its own too, or
     DataParallel's replicas would drop the same units of their chunks."""
-    from ampkit.machinery.process import seed_streams
+    from ampkit.randomness import seed_streams
 
     draws = {}
     for rank in (0, 1, 0):
@@ -265,25 +265,19 @@ def test_each_rank_and_each_gpu_draws_from_a_stream_of_its_own():
 
 
 def test_the_set_up_builds_one_model_and_gives_each_rank_a_stream_of_its_own():
-    """Through the scripts' own set-up (``ampkit.train``'s model from --seed): every rank
+    """Through the scripts' own set-up (``models.make_network``, from --seed): every rank
     builds the same weights, then draws its own dropout masks -- the same ones again for the
     same rank and seed."""
-    from types import SimpleNamespace
-
     import torch.nn.functional as F
 
-    from ampkit.machinery.process import DistInfo
-    from ampkit.technique import make_parts
+    from ampkit.device import DistInfo
+    from ampkit.models import make_network
 
-    args = SimpleNamespace(seed=3, arch=FSDP_ARCH, pretrained=False, dp_scope="model",
-                           amp_dtype=None, lr=1e-4, clip_grad=None, batch_size=16, accum_steps=1,
-                           epochs=1, comm_hook="none", powersgd_rank=None, powersgd_start_iter=None,
-                           reduce_dtype="float32", channels_last=False, img_size=32)
     weights, masks = [], []
     for rank in (0, 1, 0):
         info = DistInfo(torch.device("cpu"), rank=rank, world_size=2, distributed=True)
-        parts = make_parts(args, info, 3, train_size=48)
-        weights.append(parts.model.state_dict())
+        network = make_network(FSDP_ARCH, 3, info, seed=3)
+        weights.append(network.state_dict())
         masks.append(F.dropout(torch.ones(256), p=0.5, training=True))
     assert all(torch.equal(w[k], weights[0][k]) for w in weights[1:] for k in weights[0])
     assert torch.equal(masks[0], masks[2]) and not torch.equal(masks[0], masks[1])

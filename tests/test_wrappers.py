@@ -8,9 +8,9 @@ from torch import nn
 import train_DP
 from alexnet import alexnet
 from ampkit.technique import Parts
-from ampkit.machinery import checkpoint_files
-from ampkit.machinery.process import DistInfo
-from ampkit.machinery.saving import checkpoint_state
+from ampkit.checkpoint import files as checkpoint_files
+from ampkit.device import DistInfo
+from ampkit.checkpoint.saver import checkpoint_state
 
 
 def _bare_keys():
@@ -19,7 +19,7 @@ def _bare_keys():
 
 def _dp(dp_scope: str) -> nn.Module:
     model = alexnet(num_classes=3)
-    parts = Parts(torch.device("cpu"), model, nn.CrossEntropyLoss(), dp_scope=dp_scope)
+    parts = Parts(model, nn.CrossEntropyLoss(), dp_scope=dp_scope)
     return train_DP.build(parts).model
 
 

@@ -34,14 +34,18 @@ class CommHook:
     """One ``--comm_hook``: ``model.register_comm_hook(hook.state, hook.hook)``. Counts what
     this rank sends: ``bytes_sent`` and ``rounds`` (all-reduce rounds: buckets numbered 0)."""
 
-    def __init__(self, name: str = "none", *, powersgd_rank: int = 1,
-                 start_iter: int = 1000, seed: int = 0) -> None:
+    def __init__(self, name: str = "none", *, powersgd_rank: Optional[int] = None,
+                 start_iter: Optional[int] = None, run_steps: int = 10_000,
+                 seed: int = 0) -> None:
+        """``powersgd_rank`` (None: 1) and ``start_iter`` (None: 10 % of the run's
+        ``run_steps`` optimizer steps, at least 2) tune PowerSGD."""
         self.name, self.bytes_sent, self.rounds = name, 0, 0
         self._previous = None  # PowerSGD: the last bucket's future
         self.state = None  # PyTorch's hooks take the process group: None is the default one
         if name == "powersgd":  # the same seed on every rank: the same random start for Q
-            self.state = psgd.PowerSGDState(None, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=start_iter, random_seed=seed)
+            self.state = psgd.PowerSGDState(
+                None, matrix_approximation_rank=powersgd_rank or 1, random_seed=seed,
+                start_powerSGD_iter=start_iter or default_start_iter(run_steps))
 
     def reset_counts(self) -> None:
         self.bytes_sent, self.rounds = 0, 0

@@ -8,7 +8,7 @@ the backend is NCCL, on the CPU gloo.
 
 Each function here that takes ``info`` is a collective in a process group: every rank
 calls it, at the same point of the run, or the others wait (``GROUP_TIMEOUT``). In one
-process each is a plain local call. Nothing under ``machinery/`` talks to the group.
+process each is a plain local call. No other module of ampkit calls torch.distributed.
 """
 from __future__ import annotations
 
@@ -17,16 +17,15 @@ import datetime
 import os
 import signal
 import socket
-from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .machinery import checkpoint_files
-from .machinery import resume
-from .machinery.process import DistInfo, UserError, process_device
-from .machinery.signals import StopFlag
+from .device import DistInfo, process_device
+from .errors import UserError
+from .randomness import random_state
+from .signals import StopFlag, StopSignals
 
 # How long a collective may wait for a peer (a slow rank 0 writing a checkpoint, say).
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -92,6 +91,15 @@ def local_main_first(info: DistInfo) -> Iterator[None]:
         barrier(info)
 
 
+@contextlib.contextmanager
+def stop_vote(info: DistInfo, say: Callable[[str], None]) -> Iterator["StopVote"]:
+    """Within it SIGTERM, SIGINT and SIGUSR1 ask for a stop, which the vote makes at the same
+    step on every rank (``ampkit/signals.py`` says the rule); the handlers go with it."""
+    flag = StopFlag()
+    with StopSignals(flag, say, exiting=info.world_size > 1):
+        yield StopVote(flag, info)
+
+
 class StopVote:
     """Whether to stop: the same answer on every rank, at the same step, and no wait for
     the device.
@@ -106,7 +114,7 @@ class StopVote:
     rank, and so the exit status (``StopFlag.agreed``). The vote travels on a gloo group of
     its own, as a CPU tensor, so reading it never waits for the GPU (a read of a CUDA tensor
     would sync the host every step). In one process: the flag itself, after the current
-    step. The rule around it: machinery/signals.py.
+    step. The rule around it: ampkit/signals.py.
     """
 
     def __init__(self, flag: StopFlag, info: "DistInfo") -> None:
@@ -114,13 +122,14 @@ class StopVote:
         # Every rank creates the group (a collective), at the same point of the run.
         self.group = dist.new_group(backend="gloo") if info.distributed else None
         self._pending: Optional[Tuple[dist.Work, torch.Tensor]] = None
+        self._epochs_begun = 0
 
-    def _cast(self) -> None:
+    def _send_vote(self) -> None:
         mine = torch.tensor([self.flag.signum], dtype=torch.int32)
         work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._pending = work, mine
 
-    def _count(self) -> bool:
+    def _read_vote(self) -> bool:
         """The pending vote's result (False if none), waited for; a stop that another rank
         asked for becomes this rank's too."""
         if self._pending is None:
@@ -143,26 +152,25 @@ class StopVote:
         vote cast after the step before)."""
         if self.group is None:
             return self._alone()
-        stop = self._count()
-        self._cast()
+        stop = self._read_vote()
+        self._send_vote()
         return stop
+
+    def before_epoch(self) -> bool:
+        """Before an epoch (blocking): whether any rank asked to stop since the previous
+        epoch's last step, during its validation, save or log. The run's first epoch takes
+        no such vote (a signal during the set-up stops the run after its first step)."""
+        first, self._epochs_begun = not self._epochs_begun, self._epochs_begun + 1
+        return False if first else self.any_rank_asked()
 
     def any_rank_asked(self) -> bool:
         """At an epoch's end and at the run's (blocking): whether any rank asked to stop by
         now; also takes the pending vote, so none is left in flight."""
         if self.group is None:
             return self._alone()
-        stop = self._count()
-        self._cast()
-        return self._count() or stop
-
-
-def agreed_resume_path(args, run_dir: Path, info: DistInfo) -> Optional[Path]:
-    """The checkpoint this run continues (None: a new run), decided by global rank 0 and
-    checked by every rank (``resume.agreed_path``): each rank looks at its own path, which
-    must hold the very file rank 0 resumes."""
-    seen = gather_from_ranks([resume.what_this_rank_sees(args, run_dir)], info)
-    return resume.agreed_path(seen, info.rank)
+        stop = self._read_vote()
+        self._send_vote()
+        return self._read_vote() or stop
 
 
 # How an optimizer was built to run, not what it learned: kept when a state is loaded.
@@ -179,7 +187,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]
     GradScaler that breaks outright: the scaler decided at construction that the
     optimizer handles inf/NaN itself (fused), and the foreach path then asserts."""
     built = [{k: g[k] for k in _IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
-    if model is not None and checkpoint_files.is_sharded(model):  # full: sharded again on each rank
+    if model is not None and is_sharded(model):  # full: sharded again on each rank
         # FSDP2's alone: imported here, it adds a second to every other script's start.
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)
@@ -192,12 +200,14 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]
 
 
 def rank_random_states(info: DistInfo) -> List[dict]:
-    """Every rank's random streams (the CPU's, each visible GPU's), in rank order, on every
+    """Every rank's random streams (``randomness.random_state``), in rank order, on every
     rank (a collective): what a resumed rank goes on drawing dropout from."""
-    cuda = info.device.type == "cuda"
-    mine = {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if cuda else None}
-    return gather_from_ranks([mine], info)
+    return gather_from_ranks([random_state(info.device)], info)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """FSDP2 (``fully_shard``): the parameters are DTensors, each process holding a shard."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def agree_on_resumed(loaded: Union[dict, str, None], info: DistInfo) -> None:

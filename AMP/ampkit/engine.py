@@ -2,7 +2,9 @@
 
 ``train_one_epoch`` runs a script's step (``ampkit.technique``) on the epoch's micro-batches,
 ``accum_steps`` a step, without a host sync per step: the loss sums and counters stay on
-the device and are read every ``log_every`` steps and at the epoch's end.
+the device and are read every ``log_every`` steps and at the epoch's end. Its meters (a
+run's :class:`ampkit.meters.Meters`, or the :class:`StepMeters` alone) say where the epoch
+starts, count the steps a GradScaler skipped and record --profile's steps.
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from .device import DistInfo, synchronize
 from .distributed import StopVote, max_over_ranks, sum_over_ranks
-from .machinery.process import DistInfo, UserError, synchronize
-from .machinery.log import progress_bar
-from .precision import SkippedSteps
+from .errors import UserError
+from .log import progress_bar
+from .profiler import StepProfiler
 from .technique import MicroBatches, Step
 
 class TrainingDiverged(UserError):
@@ -28,7 +31,7 @@ class TrainingDiverged(UserError):
 
 
 @dataclass
-class EpochStats:
+class TrainStats:
     loss: float          # mean training loss over the epoch's finite steps (all ranks)
     images: int          # images trained on, all ranks together
     seconds: float       # wall time of the training loop alone
@@ -46,7 +49,7 @@ class EpochStats:
     def images_per_s(self) -> float:
         return self.images / self.seconds if self.seconds > 0 else 0.0
 
-    def after(self, before: Optional["EpochStats"]) -> "EpochStats":
+    def after(self, before: Optional["TrainStats"]) -> "TrainStats":
         """The whole epoch: ``before`` (its steps up to a stop, in the stopped run) and
         these, its steps since the resume; the stop is this part's."""
         if before is None:
@@ -58,7 +61,7 @@ class EpochStats:
             return (a * n + b * m) / (n + m)
 
         norms = [x for x in (before.grad_norm_max, self.grad_norm_max) if not math.isnan(x)]
-        return EpochStats(
+        return TrainStats(
             loss=mean(before.loss, before.finite_images, self.loss, self.finite_images),
             images=before.images + self.images, seconds=before.seconds + self.seconds,
             steps=before.steps + self.steps, skipped=before.skipped + self.skipped,
@@ -72,7 +75,7 @@ class EpochStats:
 
 
 @dataclass
-class EpochSums:
+class _DeviceSums:
     """The epoch's running sums, kept on the device (adding to them never syncs)."""
     device: torch.device
     loss_sum: torch.Tensor = field(init=False)   # sum of loss x images, finite steps only
@@ -116,49 +119,108 @@ def _diverged(worst: int, step: int) -> TrainingDiverged:
                             "the gradients (--clip_grad) or use a GradScaler variant")
 
 
-def micro_batches_by_step(loader: Iterable, accum_steps: int, device: torch.device,
-                          input_format: torch.memory_format
+class SkippedSteps:
+    """Counts the optimizer steps a GradScaler skipped (inf/NaN gradients), on the device.
+
+    Why not ``scaler.get_scale()``: it returns a Python float, so calling it after every
+    step would make the host wait for the GPU at every step. The scale is a tensor on the
+    device (GradScaler's private ``_scale``; there is no public accessor for the tensor),
+    and ``update()`` halves it exactly when ``step()`` was skipped, so comparing it
+    before and after a step counts the skips without a sync. ``scaler=None`` or a
+    disabled scaler: counts nothing.
+    """
+
+    def __init__(self, scaler: Optional[torch.amp.GradScaler], device: torch.device) -> None:
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.count = torch.zeros((), dtype=torch.int64, device=device)
+        self.last = torch.zeros((), dtype=torch.bool, device=device)  # the last step skipped
+        self._scale: Optional[torch.Tensor] = None
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        """Around one optimizer step."""
+        if self.scaler is None:
+            yield
+            return
+        before = self._scale
+        if before is None:  # before the first step the scale is still a float: no sync
+            before = torch.tensor(self.scaler.get_scale(), device=self.count.device)
+        yield
+        after = self.scaler._scale
+        self.last = (after < before).squeeze()
+        self.count += self.last.long()
+        self._scale = after.clone()
+
+
+class StepMeters:
+    """What ``train_one_epoch`` meters besides its sums: the steps ``scaler`` skipped (one
+    counter for the whole run: the scale carries over from epoch to epoch), ``profiler``'s
+    steps (None: none), and where an epoch starts (here: at its first step; a run's
+    :class:`ampkit.meters.Meters` knows a resumed epoch's)."""
+
+    def __init__(self, scaler: Optional[torch.amp.GradScaler], device: torch.device,
+                 profiler: Optional[StepProfiler] = None) -> None:
+        self.skipped = SkippedSteps(scaler, device)
+        self._profiler = profiler
+
+    def begin_epoch(self, epoch: int) -> int:
+        """The step ``epoch`` starts from."""
+        return 0
+
+    def before(self, epoch: int) -> Optional[dict]:
+        """The figures of ``epoch``'s steps before a stop that the run resumed from."""
+        return None
+
+    def profiler(self, epoch: int) -> Optional[StepProfiler]:
+        return self._profiler
+
+
+def micro_batches_by_step(loader: Iterable, accum_steps: int
                           ) -> Iterator[Tuple[MicroBatches, float]]:
-    """The loader's batches on ``device``, ``accum_steps`` at a time (an epoch's last step
-    may have fewer), with the host's seconds spent waiting for them."""
+    """The loader's batches, ``accum_steps`` at a time (an epoch's last step may have fewer),
+    with the host's seconds spent waiting for them."""
     batches = iter(loader)
     while True:
         t_wait = time.perf_counter()
         micro_batches = list(itertools.islice(batches, accum_steps))
         if not micro_batches:
             return
-        waited = time.perf_counter() - t_wait
-        yield [(x.to(device, non_blocking=True, memory_format=input_format),
-                y.to(device, non_blocking=True)) for x, y in micro_batches], waited
+        yield micro_batches, time.perf_counter() - t_wait
 
 
-def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, desc: str = "train",
-                    start_step: int = 0, log_every: int = 20, max_nonfinite: Optional[int] = 5,
-                    stop: Optional[StopVote] = None, skipped: Optional[SkippedSteps] = None,
-                    input_format: torch.memory_format = torch.preserve_format,
-                    profiler=None, accum_steps: int = 1,
-                    before: Optional[dict] = None) -> EpochStats:
-    """Run ``train_step`` on ``loader``'s batches, ``accum_steps`` at a time: one optimizer
-    step each. ``start_step``, ``log_every`` and the progress bar count optimizer steps.
-    ``stop``: the ranks' vote, taken after every step (no host sync); when it says so, the
-    epoch ends there on every rank (``EpochStats.stopped_at``). ``max_nonfinite=None``: no
-    divergence check (a GradScaler skips the bad steps instead); ``skipped`` counts those
-    skips; ``profiler`` (a ``machinery.hardware_use.StepProfiler``) records some steps.
-    ``before``: a resumed epoch's figures up to its stop, which the returned ones include."""
-    device = info.device
-    sums, skipped = EpochSums(device), skipped or SkippedSteps(None, device)
+def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, epoch: int = 0,
+                    meters: Optional[StepMeters] = None, accum_steps: int = 1,
+                    max_nonfinite: Optional[int] = 5, stop: Optional[StopVote] = None,
+                    log_every: int = 20, desc: str = "train") -> TrainStats:
+    """Run ``train_step`` on ``loader``'s batches (on the device), ``accum_steps`` at a time:
+    one optimizer step each, from the step ``meters`` says the epoch starts at (a resumed
+    epoch's rest: ``loader.start_at``). ``log_every`` and the progress bar count optimizer
+    steps. ``stop``: the ranks' vote, taken before the epoch (for a signal since the last
+    one) and after every step (no host sync); when it says so, the epoch ends there on every
+    rank (``TrainStats.stopped_at``). ``max_nonfinite=None``: no divergence check (a
+    GradScaler skips the bad steps instead). The figures returned include a resumed epoch's
+    before its stop."""
+    device, meters = info.device, meters or StepMeters(None, info.device)
+    start_step = meters.begin_epoch(epoch)
+    if hasattr(loader, "start_at"):  # a training loader (a list of batches starts at 0)
+        loader.start_at(start_step * accum_steps)
+    sums, skipped = _DeviceSums(device), meters.skipped
     skipped.count.zero_()  # this call's skips; the scaler's last scale carries over
+    before = meters.before(epoch)
     synchronize(device)
     t0 = time.perf_counter()
     step, steps_done, stopped_at, data_seconds = start_step, 0, None, 0.0
+    if stop is not None and stop.before_epoch():  # a signal since the last epoch's steps
+        return _epoch_stats(sums, skipped, info, max_nonfinite, step, t0,
+                            dict(steps=0, stopped_at=step)).after(_so_far(before))
     total = (start_step + math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__")
              else None)
     bar = progress_bar(total=total, initial=start_step, desc=desc, disable=not info.is_main,
                        unit="step")
+    profiler = meters.profiler(epoch)
     # The bar is closed before any error message, so it is not drawn over.
     with profiler or contextlib.nullcontext(), bar:  # the bar closes first, then a report
-        for micro_batches, waited in micro_batches_by_step(loader, accum_steps, device,
-                                                           input_format):
+        for micro_batches, waited in micro_batches_by_step(loader, accum_steps):
             data_seconds += waited  # host time waiting for input
             with skipped.watch():
                 loss, norm = train_step(micro_batches)
@@ -177,12 +239,15 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, desc:
         stopped_at = step
     return _epoch_stats(sums, skipped, info, max_nonfinite, step, t0,
                         dict(steps=steps_done, stopped_at=stopped_at,
-                             data_seconds=data_seconds)).after(
-                                 EpochStats(**before) if before else None)
+                             data_seconds=data_seconds)).after(_so_far(before))
 
 
-def _epoch_stats(sums: EpochSums, skipped: SkippedSteps, info: DistInfo,
-                 max_nonfinite: Optional[int], step: int, t0: float, kw: dict) -> EpochStats:
+def _so_far(before: Optional[dict]) -> Optional[TrainStats]:
+    return TrainStats(**before) if before else None
+
+
+def _epoch_stats(sums: _DeviceSums, skipped: SkippedSteps, info: DistInfo,
+                 max_nonfinite: Optional[int], step: int, t0: float, kw: dict) -> TrainStats:
     """The epoch's figures, summed over the ranks: the epoch's one host sync."""
     totals = sum_over_ranks(torch.stack([sums.images.double(), sums.finite_images.double(),
                                          skipped.count.double(), sums.nonfinite.double(),
@@ -195,14 +260,14 @@ def _epoch_stats(sums: EpochSums, skipped: SkippedSteps, info: DistInfo,
     if max_nonfinite is not None and worst >= max_nonfinite:
         raise _diverged(worst, step)
     nan = float("nan")
-    return EpochStats(loss=loss_total / finite_images if finite_images else nan,
+    return TrainStats(loss=loss_total / finite_images if finite_images else nan,
                       images=int(images), seconds=seconds, skipped=int(n_skipped),
                       nonfinite=int(nonfinite), grad_norm_mean=norms[0] / norms[1]
                       if norms[1] else nan, grad_norm_max=norms[2] if norms[1] else nan,
                       finite_images=int(finite_images), norm_steps=int(norms[1]), **kw)
 
 
-def _host_check(sums: EpochSums, bar: tqdm, info: DistInfo, max_nonfinite: Optional[int],
+def _host_check(sums: _DeviceSums, bar: tqdm, info: DistInfo, max_nonfinite: Optional[int],
                 step: int) -> None:
     """The host sync point, every log_every steps (never every step): the progress bar's
     loss and the divergence check, which all ranks reach at the same step and pass or fail
@@ -217,17 +282,16 @@ def _host_check(sums: EpochSums, bar: tqdm, info: DistInfo, max_nonfinite: Optio
 
 @torch.no_grad()
 def count_correct(model: nn.Module, loader: Iterable, info: DistInfo,
-                  autocast: Optional[ContextManager] = None, desc: str = "eval",
-                  input_format: torch.memory_format = torch.preserve_format,
-                  image_shape: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
-    """``tensor([correct, seen])`` (int64, on the device) over this process's batches:
-    top-1 predictions that match the target. Summing them over ranks is the caller's.
+                  autocast: Optional[ContextManager] = None, desc: str = "eval") -> torch.Tensor:
+    """``tensor([correct, seen])`` (int64, on the device) over this process's batches (on the
+    device): top-1 predictions that match the target. Summing them over ranks is the
+    caller's.
 
     In a process group every rank runs as many forwards as the rank with the most batches:
     a sharded (FSDP2) or DDP model's forward is a collective, and a rank with one batch
     fewer -- 21 images over 2 ranks, or none at all -- would leave its peers waiting.
     A rank whose shard has run out forwards its last batch again (or, with none, one
-    blank image of ``image_shape``), and counts nothing of it."""
+    blank image of the loader's ``image_shape``), and counts nothing of it."""
     device = info.device
     model.eval()
     counts = torch.zeros(2, dtype=torch.int64, device=device)
@@ -240,17 +304,15 @@ def count_correct(model: nn.Module, loader: Iterable, info: DistInfo,
         if batch is None and not info.distributed:
             break
         if batch is None and padding is None:
-            padding = torch.zeros((1, *image_shape), device=device).contiguous(
-                memory_format=input_format)
-        images = padding if batch is None else batch[0].to(device, non_blocking=True,
-                                                            memory_format=input_format)
+            padding = torch.zeros((1, *loader.image_shape), device=device).contiguous(
+                memory_format=loader.memory_format)
+        images = padding if batch is None else batch[0]
         with autocast or contextlib.nullcontext():
             outputs = model(images)
         if batch is None:
             continue  # a forward for the peers' collectives, not counted
-        targets = batch[1].to(device, non_blocking=True)
-        counts[0] += (outputs.argmax(dim=1) == targets).sum()
-        counts[1] += targets.shape[0]
+        counts[0] += (outputs.argmax(dim=1) == batch[1]).sum()
+        counts[1] += batch[1].shape[0]
         padding = images
     next(batches, None)  # to its end: a loader's bookkeeping after its last batch
     return counts

@@ -1,20 +1,90 @@
-"""Which network a run trains (``--arch``: any torchvision classifier; the names and their
-checks are ``machinery/archs.py``), autocast in what DataParallel replicates, and the
-blocks FSDP2 shards one by one. ``alexnet`` has the layers of the article's
-``AMP/alexnet.py``: their weights load into each other.
+"""The networks: which one a run trains (``--arch``: any torchvision classifier by builder
+name; ``alexnet`` has the layers of the article's ``AMP/alexnet.py``, whose weights load into
+each other), the checks that a name exists and takes the run's image size (made before
+anything is built, on the meta device), the network built from ``--seed`` alone (the same
+initial weights on every rank, for any world size), autocast in what DataParallel
+replicates, the blocks FSDP2 shards one by one, and ``--compile``.
 """
 from __future__ import annotations
 
-from typing import List
+import functools
+import inspect
+import sys
+import warnings
+from typing import List, Optional
 
 import torch
 import torchvision
 from torch import nn
 
-from .machinery.archs import builder_kwargs, check_arch
-from .machinery.process import UserError
+from .device import DistInfo
+from .errors import UserError
 from .precision import autocast_forward
+from .randomness import seed_streams
 
+DEFAULT_ARCH = "alexnet"
+MIN_ALEXNET_SIZE = 63  # AlexNet's feature extractor needs at least 63x63 input
+
+
+@functools.lru_cache(maxsize=1)
+def arch_names() -> List[str]:
+    """Every torchvision classification model's builder name."""
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def check_arch(arch: str) -> None:
+    if arch not in arch_names():
+        raise UserError(f"unknown --arch {arch!r}: --arch list prints the {len(arch_names())} "
+                        "torchvision classifiers it takes (resnet18, resnet50, vit_b_16, ...)")
+
+
+def builder_kwargs(arch: str) -> dict:
+    """Keyword arguments that make any classifier a plain one: one output tensor in training
+    (no auxiliary logits) and no warning about a default that will change."""
+    params = inspect.signature(torchvision.models.get_model_builder(arch)).parameters
+    kwargs = {}
+    if "aux_logits" in params or arch in ("googlenet", "inception_v3"):
+        kwargs["aux_logits"] = False
+    if arch in ("googlenet", "inception_v3"):
+        kwargs["init_weights"] = True
+    return kwargs
+
+
+def check_input_size(arch: str, img_size: int) -> None:
+    """One line if ``arch`` cannot take ``img_size`` x ``img_size`` images (checked by a forward
+    pass on the meta device: shapes only, no memory, no arithmetic)."""
+    if arch == DEFAULT_ARCH:
+        if img_size < MIN_ALEXNET_SIZE:
+            raise UserError(f"--img_size must be at least {MIN_ALEXNET_SIZE} for AlexNet, "
+                            f"got {img_size}")
+        return
+    reason = _meta_forward_problem(arch, img_size)
+    if reason is not None and _meta_forward_problem(arch, 224) is None:
+        raise UserError(f"--img_size {img_size} does not suit --arch {arch}: {reason}")
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of its flags: once per process
+def _meta_forward_problem(arch: str, img_size: int) -> Optional[str]:
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = torchvision.models.get_model(arch, num_classes=10, **builder_kwargs(arch))
+            model.eval()(torch.empty(2, 3, img_size, img_size))
+    except Exception as e:  # whatever the model raises on an input it cannot take
+        return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    return None
+
+
+def check_arch_flags(arch: Optional[str], img_size: Optional[int]) -> None:
+    """``--arch list`` prints the names and exits; an unknown name, or an image size the
+    network cannot take, is one line (None: not given, decided later)."""
+    if arch == "list":
+        print("\n".join(arch_names()))
+        sys.exit(0)
+    if arch is not None:
+        check_arch(arch)
+        if img_size is not None:
+            check_input_size(arch, img_size)
 
 def build_model(arch: str, num_classes: int, pretrained: bool = False) -> nn.Module:
     """``arch`` with ``num_classes`` outputs, on the CPU (ImageNet weights with ``pretrained``)."""
@@ -70,22 +140,27 @@ def autocast_replicas(module: nn.Module, dtype: torch.dtype) -> AutocastForward:
     return AutocastForward(module, dtype)
 
 
-def check_dp_scope(model: nn.Module, dp_scope: str, arch: str) -> None:
+def check_dp_scope(arch: str, dp_scope: str) -> None:
     """``--dp_scope features`` needs a ``features`` block to replicate: one line if not."""
-    if dp_scope == "features" and not isinstance(getattr(model, "features", None), nn.Module):
+    if dp_scope != "features":
+        return
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        network = torchvision.models.get_model(arch, num_classes=10, **builder_kwargs(arch))
+    if not isinstance(getattr(network, "features", None), nn.Module):
         raise UserError(f"--dp_scope features: --arch {arch} has no .features block "
                         "(alexnet, vgg, densenet, mobilenet, efficientnet ... have one)")
 
 
-def check_param_dtype_fits(model: nn.Module, arch: str) -> None:
+def check_param_dtype_fits(network: nn.Module) -> None:
     """FSDP2's MixedPrecisionPolicy casts every parameter to param_dtype, but not buffers:
     a BatchNorm layer would hold bf16/fp16 weights beside float32 running statistics,
     which its kernels refuse. Such a network is one line (autocast handles it)."""
     norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-    if any(isinstance(m, norms) for m in model.modules()):
-        raise UserError(f"--arch {arch} has BatchNorm layers, whose float32 running statistics "
-                        "cannot run beside parameters cast to --amp_dtype: use "
-                        "train_FSDP_autocast.py for it")
+    if any(isinstance(m, norms) for m in network.modules()):
+        raise UserError(f"this --arch ({type(network).__name__}) has BatchNorm layers, whose "
+                        "float32 running statistics cannot run beside parameters cast to "
+                        "--amp_dtype: use train_FSDP_autocast.py for it")
 
 
 def shard_units(model: nn.Module) -> List[nn.Module]:
@@ -105,3 +180,29 @@ def shard_units(model: nn.Module) -> List[nn.Module]:
         elif has_params(child):
             units.append(child)
     return units
+
+def make_network(arch: str, num_classes: int, info: DistInfo, *, seed: int,
+                 pretrained: bool = False, channels_last: bool = False) -> nn.Module:
+    """``arch`` built from ``seed`` alone (the same initial weights on every rank, for any
+    world size), then this rank's own random streams seeded; on the process's device, in
+    the channels_last memory format with ``channels_last``."""
+    torch.manual_seed(seed)
+    network = build_model(arch, num_classes, pretrained=pretrained)
+    seed_streams(seed, info.rank, info.device.type == "cuda")  # dropout: each rank its own
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    return network.to(info.device, memory_format=memory_format)
+
+
+def compile_in_place(model: torch.nn.Module) -> None:
+    """``model.compile()`` (in place: the script's step calls the compiled model), with the
+    compiled backward outside autocast, where this project's loops run the backward. By
+    default a compiled backward runs under the forward's autocast state, which torch's AMP
+    notes warn against for code that, like ours, calls backward() outside autocast."""
+    from torch._functorch import config as functorch_config  # private: where torch keeps it
+
+    if isinstance(model, torch.nn.DataParallel):
+        raise UserError("--compile is supported for single-device, DDP and FSDP2 runs, not "
+                        "DataParallel")
+    if hasattr(functorch_config, "backward_pass_autocast"):  # not in every torch release
+        functorch_config.backward_pass_autocast = "off"
+    model.compile()

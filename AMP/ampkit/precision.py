@@ -1,20 +1,18 @@
-"""Precision helpers: which autocast dtype a run uses, the forward that enters autocast
-itself, TF32, --compile, and GradScaler's skipped steps.
-
-The precision objects themselves (``torch.autocast`` and ``torch.amp.GradScaler``) are
-built by each training script, where a reader sees them.
+"""What precision a run computes in, beside the objects each script builds in view
+(``torch.autocast``, ``torch.amp.GradScaler``, FSDP2's ``MixedPrecisionPolicy``): the
+``--amp_dtype`` a device takes, the forward that enters autocast itself (for DataParallel's
+replica threads), whether this CPU has native bfloat16, and CUDA's fp32 math (TF32).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from .machinery.process import UserError
+from .errors import UserError
 
 
 def resolve_amp_dtype(name: Optional[str], device: torch.device) -> torch.dtype:
@@ -90,58 +88,10 @@ def set_tf32(enabled: Optional[bool]) -> str:
     return {True: "tf32", False: "fp32"}.get(enabled, "tf32 conv, fp32 matmul")
 
 
-def cuda_math(tf32: Optional[bool], device: torch.device) -> str:
+def set_cuda_math(tf32: Optional[bool], device: torch.device) -> str:
     """A run's CUDA math: ``set_tf32(tf32)``, and cuDNN picks its convolution kernels for
     the run's fixed input size; the fp32 math's label ("" on the CPU)."""
     if device.type != "cuda":
         return ""
     torch.backends.cudnn.benchmark = True
     return set_tf32(tf32)
-
-
-def compile_in_place(model: torch.nn.Module) -> None:
-    """``model.compile()`` (in place: the script's step calls the compiled model), with the
-    compiled backward outside autocast, where this project's loops run the backward. By
-    default a compiled backward runs under the forward's autocast state, which torch's AMP
-    notes warn against for code that, like ours, calls backward() outside autocast."""
-    from torch._functorch import config as functorch_config
-
-    if isinstance(model, torch.nn.DataParallel):
-        raise UserError("--compile is supported for single-device, DDP and FSDP2 runs, not "
-                        "DataParallel")
-    if hasattr(functorch_config, "backward_pass_autocast"):  # not in every torch release
-        functorch_config.backward_pass_autocast = "off"
-    model.compile()
-
-
-class SkippedSteps:
-    """Counts the optimizer steps a GradScaler skipped (inf/NaN gradients), on the device.
-
-    Why not ``scaler.get_scale()``: it returns a Python float, so calling it after every
-    step would make the host wait for the GPU at every step. The scale is a tensor on the
-    device (GradScaler's private ``_scale``; there is no public accessor for the tensor),
-    and ``update()`` halves it exactly when ``step()`` was skipped, so comparing it
-    before and after a step counts the skips without a sync. ``scaler=None`` or a
-    disabled scaler: counts nothing.
-    """
-
-    def __init__(self, scaler: Optional[torch.amp.GradScaler], device: torch.device) -> None:
-        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.count = torch.zeros((), dtype=torch.int64, device=device)
-        self.last = torch.zeros((), dtype=torch.bool, device=device)  # the last step skipped
-        self._scale: Optional[torch.Tensor] = None
-
-    @contextlib.contextmanager
-    def watch(self) -> Iterator[None]:
-        """Around one optimizer step."""
-        if self.scaler is None:
-            yield
-            return
-        before = self._scale
-        if before is None:  # before the first step the scale is still a float: no sync
-            before = torch.tensor(self.scaler.get_scale(), device=self.count.device)
-        yield
-        after = self.scaler._scale
-        self.last = (after < before).squeeze()
-        self.count += self.last.long()
-        self._scale = after.clone()

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import torch  # only to see the devices; the children do the work
 
-from ampkit.machinery.process import want_cuda
+from ampkit.device import want_cuda
 
 from . import run_logs, runner
 from .report import FAILED, INTERRUPTED, NOT_RUN, OK, VariantResult

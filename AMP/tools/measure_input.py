@@ -4,8 +4,8 @@ One epoch after another, the first ``warmup`` batches not timed:
 
 - ``article``: torchvision's CIFAR10 with ``Resize(img_size)`` + ``ToTensor()`` in PIL,
   ``num_workers=0``, as the article does;
-- ``classic``: ampkit's DataLoader path (:mod:`ampkit.machinery.data`);
-- ``fast``: ampkit's device path (:mod:`ampkit.machinery.fastdata`).
+- ``classic``: ampkit's DataLoader path (:mod:`ampkit.data.classic`);
+- ``fast``: ampkit's device path (:mod:`ampkit.data.on_device`).
 
 Without CIFAR-10 under ``root``, generated images in CIFAR-10's on-disk format are used
 (:mod:`tools.cifar_files`; the pipelines' cost does not depend on the pixel values).
@@ -24,11 +24,10 @@ import torch
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from ampkit.machinery.cifar import CIFAR10
-from ampkit.machinery.data import train_loader
-from ampkit.machinery.datasets import build_datasets
-from ampkit.machinery.fastdata import fast_loaders
-from ampkit.machinery.process import DistInfo, synchronize
+from ampkit.data.classic import train_loader
+from ampkit.data.datasets import CIFAR10, build_datasets
+from ampkit.data.on_device import fast_loaders
+from ampkit.device import DistInfo, synchronize
 
 from .cifar_files import cifar_root, has_cifar10
 
@@ -61,8 +60,9 @@ def _pipeline(kind: str, root: Path, img_size: int, batch_size: int, num_workers
         dataset = CIFAR10(str(root), train=True, transform=tf, download=False)
         return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=0)
     if kind == "classic":
-        data = build_datasets("CIFAR10", root, img_size, info)
-        return train_loader(data.train, batch_size, num_workers, info, seed=0)
+        data = build_datasets("CIFAR10", root, img_size, download=False)
+        return train_loader(data.train, batch_size=batch_size, num_workers=num_workers,
+                            device=info.device, img_size=img_size, seed=0)
     if kind == "fast":
         return fast_loaders("CIFAR10", root, img_size, batch_size, info,
                             channels_last=channels_last)[0].loader()

@@ -8,8 +8,8 @@ variants run as a one-process group, or in torchrun's (``DDPGroup``).
 - ``warmup`` steps run first and are not counted (allocator, cuDNN autotuning,
   optimizer state creation, compilation, PowerSGD's plain all-reduce steps).
 - The timed ``steps``: CUDA events on a GPU (the host waits for the end), else perf_counter;
-  no host sync inside that window (the loop's host read comes after the last step).
-- Peak memory and FLOPs (:mod:`ampkit.machinery.hardware_use`, as in training): the peak
+  no host sync while timed (the loop's host read comes after the last step).
+- Peak memory and FLOPs (:mod:`ampkit.device`, :mod:`ampkit.flops`, as in training): the peak
   reset after warm-up; ``training_flops_per_image`` x batch per step;
   utilisation = achieved FLOP/s / (peak x devices), where the peak is the precision's
   own: ``peak_tflops`` (fp16/bf16) for the autocast variants, ``peak_tflops_fp32`` for
@@ -17,7 +17,7 @@ variants run as a one-process group, or in torchrun's (``DDPGroup``).
 - DDP's ``comm_hook`` (``--comm_hook`` of the DDP scripts): the bytes this rank sent per
   step, counted by :class:`ampkit.comm_hooks.CommHook` over the timed steps.
 
-Traces: ``profile`` records a few more steps (``hardware_use.StepProfiler``).
+Traces: ``profile`` records a few more steps (``ampkit.profiler.StepProfiler``).
 """
 from __future__ import annotations
 
@@ -32,19 +32,17 @@ from typing import Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ampkit.comm_hooks import CommHook
+from ampkit.device import DistInfo, memory_kind, peak_memory_mb, reset_peak_memory, synchronize
 from ampkit.distributed import StopVote, elastic_store, this_process, torchrun_env
-from ampkit.engine import train_one_epoch
+from ampkit.engine import StepMeters, train_one_epoch
+from ampkit.flops import training_flops_per_image
+from ampkit.models import build_model, compile_in_place
+from ampkit.profiler import StepProfiler
+from ampkit.signals import StopFlag
 from ampkit.technique import Parts
-from ampkit.machinery.hardware_use import (StepProfiler, memory_kind, peak_memory_mb,
-                                           reset_peak_memory, training_flops_per_image)
-from ampkit.machinery.process import DistInfo, synchronize
-from ampkit.machinery.signals import StopFlag
-from ampkit.models import build_model
-from ampkit.precision import SkippedSteps, compile_in_place
 
 from .variants import DISTRIBUTED, TRAIN_VARIANTS
 
@@ -167,14 +165,13 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
         res.note += "; DDP all-reduces every micro-batch (no no_sync)"
     hook = CommHook(comm_hook, powersgd_rank=powersgd_rank, start_iter=2)
     t, pool, flops = _built(variant, res, device, num_classes, lr, amp_dtype, hook)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    skipped = SkippedSteps(t.scaler, device)
+    meters = StepMeters(t.scaler, device)  # the skipped steps, counted as in training
     vote = StopVote(StopFlag(), info)  # as in training: the ranks' stop vote every step
 
-    def run(n: int, **kw):  # n optimizer steps, over the pool's batches in turn
+    def run(n: int, meters: StepMeters = meters, **kw):  # n steps, over the pool in turn
         micro = [pool[i % len(pool)] for i in range(n * accum_steps)]
         with _all_reduce_every_micro_batch() if keep_sync else contextlib.nullcontext():
-            return train_one_epoch(t.train_step, micro, info, skipped=skipped, input_format=fmt,
+            return train_one_epoch(t.train_step, micro, info, meters=meters,
                                    accum_steps=accum_steps, stop=vote, **kw)
 
     if warmup > 0:
@@ -182,7 +179,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     _reset_peaks(device, res)
     hook.reset_counts()
     # log_every past the last step: the loop's host read (the loss for the progress bar, the
-    # stop and divergence checks) would sync inside the timed window.
+    # stop and divergence checks) would sync while timed.
     seconds, stats = _timed(lambda: run(steps, desc=variant, log_every=steps + 1), device)
     res.peak_mem_mb = peak_memory_mb(device, all_gpus=res.parallel == "dp")
     res.seconds, res.step_ms = seconds, 1000.0 * seconds / steps
@@ -193,7 +190,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
         res.comm_hook, res.wire_mb_per_step = comm_hook, hook.per_step().get("wire_mb_per_step")
     if profile is not None:  # started and stopped by train_one_epoch
         profiler = StepProfiler(profile, device)
-        run(profiler.needed, desc=f"{variant} profile", profiler=profiler)
+        run(profiler.needed, StepMeters(t.scaler, device, profiler), desc=f"{variant} profile")
         print(profiler.report(), flush=True)
     peak = peak_tflops_fp32 if res.precision == "fp32" else peak_tflops
     if peak:
@@ -216,9 +213,9 @@ def _built(variant: str, res: StepResult, device: torch.device, num_classes: int
             for _ in range(min(4, max(res.steps * res.accum_steps, 1)))]
     flops = training_flops_per_image(model, (3, px, px)) * b
     t = importlib.import_module(variant).build(
-        Parts(device, model, nn.CrossEntropyLoss(), amp_dtype, res.dp_scope or "model", lr=lr,
-              arch=res.arch, comm_hook=hook))
-    res.amp_dtype = str(t.compute_dtype)[6:] if t.compute_dtype is not None else ""
+        Parts(model, lr=lr, amp_dtype=amp_dtype, dp_scope=res.dp_scope or "model",
+              comm_hook=hook))
+    res.amp_dtype = str(t.amp_dtype)[6:] if t.amp_dtype is not None else ""
     if res.compiled:
         compile_in_place(t.model)  # compiled during the warm-up steps
     t.model.train()

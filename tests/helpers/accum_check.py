@@ -66,19 +66,19 @@ class Probe(nn.CrossEntropyLoss):
 
 
 hook = CommHook("none")  # the script's own hook counts the all-reduce rounds
-ddp = train_DDP.build(Parts(torch.device("cpu"), copy.deepcopy(model), nn.CrossEntropyLoss(),
+ddp = train_DDP.build(Parts(copy.deepcopy(model), nn.CrossEntropyLoss(),
                             comm_hook=hook))
 ddp.train_step(window)
 rounds = [1] * hook.rounds
 ddp_worst = worst({name.removeprefix("module."): p.grad for name, p in ddp.model.named_parameters()})
 
 probe = Probe()
-fsdp = train_FSDP.build(Parts(torch.device("cpu"), copy.deepcopy(model), probe))
+fsdp = train_FSDP.build(Parts(copy.deepcopy(model), probe))
 probe.model = fsdp.model
 fsdp.train_step(window)
 fsdp_worst = worst({name: p.grad.full_tensor() for name, p in fsdp.model.named_parameters()})
 
-whole = train_FSDP.build(Parts(torch.device("cpu"), copy.deepcopy(model), nn.CrossEntropyLoss()))
+whole = train_FSDP.build(Parts(copy.deepcopy(model), nn.CrossEntropyLoss()))
 whole.train_step([(images[mine], targets[mine])])
 whole_worst = worst({name: p.grad.full_tensor() for name, p in whole.model.named_parameters()})
 

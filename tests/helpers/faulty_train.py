@@ -95,7 +95,7 @@ if kill_in_save or slow_save:
             time.sleep(60)
         return original_save(obj, f, *args, **kwargs)
 
-    torch.save = save  # looked up by ampkit.machinery.checkpoint_writer.atomic_save at call time
+    torch.save = save  # looked up by ampkit.checkpoint.writer.atomic_save at call time
 
 if __name__ == "__main__":
     exit_file = os.environ.get("FAULT_EXIT_FILE")

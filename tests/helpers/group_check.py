@@ -23,7 +23,7 @@ from torch import nn
 AMP = Path(__file__).resolve().parents[2] / "AMP"
 sys.path.insert(0, str(AMP))
 
-import ampkit.train  # noqa: E402
+import ampkit.checkpoint.saver  # noqa: E402
 import train_DDP  # noqa: E402
 from ampkit.engine import count_correct  # noqa: E402
 from ampkit.distributed import this_process  # noqa: E402
@@ -51,10 +51,10 @@ class Faults:
         self.fault, self.counts = fault, {"loss": 0, "val": 0, "save": 0}
         self.loss, self.validate, self.state = (torch.nn.CrossEntropyLoss.forward,
                                                 train_DDP.count_correct,
-                                                ampkit.train.checkpoint_state)
+                                                ampkit.checkpoint.saver.checkpoint_state)
         torch.nn.CrossEntropyLoss.forward = self._counted("loss", self.loss)
         train_DDP.count_correct = self._counted("val", self.validate)
-        ampkit.train.checkpoint_state = self._counted("save", self.state)
+        ampkit.checkpoint.saver.checkpoint_state = self._counted("save", self.state)
 
     def _counted(self, where, call):
         def counted(*args, **kwargs):
@@ -67,7 +67,7 @@ class Faults:
     def remove(self) -> None:
         torch.nn.CrossEntropyLoss.forward = self.loss
         train_DDP.count_correct = self.validate
-        ampkit.train.checkpoint_state = self.state
+        ampkit.checkpoint.saver.checkpoint_state = self.state
 
 
 def _saved(ckpt: Path):
@@ -98,13 +98,18 @@ def _padding_counts(rank: int, world_size: int, port: int) -> list:
         info = this_process(torch.device("cpu"))
         got = []
         for n in (3, 1):
-            mine = [(images[i:i + 1], targets[i:i + 1]) for i in range(rank, n, world_size)]
-            counts = count_correct(model, mine, info, image_shape=(3, 2, 2))
+            mine = Shard((images[i:i + 1], targets[i:i + 1]) for i in range(rank, n, world_size))
+            counts = count_correct(model, mine, info)
             dist.all_reduce(counts)
             got.append(counts.tolist())
         return [got, [[w, n] for w, n in zip(want, (3, 1))]]
     finally:
         dist.destroy_process_group()
+
+
+class Shard(list):
+    """A rank's validation batches, as a loader gives them: with the shape of a blank image."""
+    image_shape, memory_format = (3, 2, 2), torch.contiguous_format
 
 
 def main(rank: int, world_size: int, ports: list, root: str, out: str) -> None:

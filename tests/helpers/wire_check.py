@@ -34,7 +34,7 @@ import train_FSDP_mixed  # noqa: E402
 from ampkit.comm_hooks import CommHook  # noqa: E402
 from ampkit.technique import Parts  # noqa: E402
 from ampkit.models import build_model  # noqa: E402
-from ampkit.precision import SkippedSteps  # noqa: E402
+from ampkit.engine import SkippedSteps  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -50,7 +50,7 @@ failures = []
 
 def one_step(script, hook: CommHook):
     torch.manual_seed(5)  # the same dropout in every run, on every rank
-    t = script.build(Parts(torch.device("cpu"), copy.deepcopy(model), nn.CrossEntropyLoss(),
+    t = script.build(Parts(copy.deepcopy(model), nn.CrossEntropyLoss(),
                            amp_dtype=torch.bfloat16, comm_hook=hook))
     t.train_step(window)
     return {name: p.grad.clone() for name, p in t.model.named_parameters()}
@@ -75,7 +75,7 @@ for name, script, tolerance in (("bf16", train_DDP, 1.5e-2),
 
 # PowerSGD under GradScaler: 2 warm-up steps, 2 compressed, one overflow, then 4 more.
 hook = CommHook("powersgd", powersgd_rank=1, start_iter=2, seed=0)
-t = train_DDP_GradScaler.build(Parts(torch.device("cpu"), copy.deepcopy(model),
+t = train_DDP_GradScaler.build(Parts(copy.deepcopy(model),
                                      nn.CrossEntropyLoss(), amp_dtype=torch.bfloat16,
                                      comm_hook=hook))
 torch.manual_seed(5)
@@ -109,7 +109,7 @@ small = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(),
 
 
 def fsdp_step(reduce_dtype: torch.dtype) -> dict:
-    t = train_FSDP_mixed.build(Parts(torch.device("cpu"), copy.deepcopy(small),
+    t = train_FSDP_mixed.build(Parts(copy.deepcopy(small),
                                      nn.CrossEntropyLoss(), amp_dtype=torch.bfloat16,
                                      reduce_dtype=reduce_dtype))
     t.train_step(window[:3])  # as many micro-batches on every rank: each forward gathers

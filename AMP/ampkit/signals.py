@@ -1,7 +1,7 @@
 """Stop signals: SIGTERM, SIGUSR1 and Ctrl-C end a run at its next safe point, saved.
 
 The rule, wherever a signal lands within the script's ``stop_vote`` (from before the
-restore to the run's last line: in a step, in an epoch's last and short step or window, in
+restore to the run's last line: in a step, in an epoch's last and short step, in
 validation, in a save, in the last epoch):
 
 1. Only a run's main process decides. Its handlers just set its :class:`StopFlag`; the
@@ -10,13 +10,15 @@ validation, in a save, in the last epoch):
    Ctrl-C, SLURM, ``kill -- -PGID`` -- ends the run like one to the main process, never
    with a dead worker's traceback.
 2. The ranks agree on a stop by a vote (``ampkit.distributed.StopVote``) after every
-   optimizer step, read one step later (in one process: at once), and at every epoch's end
-   after its save; they stop at the first vote that finds a signal, all at the same step.
+   optimizer step, read one step later (in one process: at once); before every epoch but
+   the run's first, for a signal during the previous epoch's validation, save or log; and
+   at the run's end. They stop at the first vote that finds a signal, all at the same step.
+   A signal during the set-up stops the run after its first step.
 3. ``last.pth`` is then saved for exactly that point (mid-epoch, or after the epoch; an
-   epoch's whole last step included) unless the epoch's own save already is it; the run
-   says where it stopped and every rank exits 128 + the voted signal (SIGTERM 143, SIGUSR1
-   138, SIGINT 130): several signals at once vote for the highest number. A stop in the
-   last epoch exits so too ("The run is complete"; its ``--resume`` has nothing to do).
+   epoch's whole last step included) unless it already holds it; the run says where it
+   stopped and every rank exits 128 + the voted signal (SIGTERM 143, SIGUSR1 138, SIGINT
+   130): several signals at once vote for the highest number. A stop in the last epoch
+   exits so too ("The run is complete"; its ``--resume`` has nothing to do).
 
 A second Ctrl-C to a process that already got a signal stops it at once
 (:class:`KeyboardInterrupt`). Before the ``with`` (set-up) and after it (teardown) the

@@ -25,15 +25,11 @@ import torch.nn.functional as F
 import torchvision
 from torch.utils.data import Sampler, TensorDataset
 
-from .cifar import check_cifar_root, cifar10
-from .datasets import FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD
+from ..device import DistInfo
+from ..errors import UserError
+from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD, check_cifar_root,
+                       cifar10)
 from .samplers import IndexSampler, ResumableSampler, one_process_sampler
-from .process import DistInfo, UserError
-
-
-def fits_in_memory(name: str) -> bool:
-    """Whether ``name`` takes the fast path (held whole on the device)."""
-    return name in NUM_CLASSES
 
 
 def _fake_uint8(train: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +48,7 @@ def load_uint8(name: str, root: Path, info: DistInfo, train: bool) -> Tuple[torc
     if name == "CIFAR10":
         root = Path(root)
         check_cifar_root(root)
-        # Only local rank 0 downloads; the caller runs it first (distributed.local_main_first).
+        # Only local rank 0 downloads; the caller runs it first (local_main_first).
         ds = cifar10(root, train, None, download=info.is_local_main)
         # ds.data is an N,H,W,C view of the N,C,H,W array read from the batch files:
         # permuting back gives a contiguous tensor without a copy.
@@ -93,9 +89,12 @@ class DeviceLoader:
         self.batch_size, self.img_size = batch_size, img_size
         self.train = train
         self.channels_last = channels_last
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.image_shape = (3, img_size, img_size)
         self.dataset_size = n = images_u8.shape[0]
         if sampler is None:
-            sampler = one_process_sampler(n, seed) if train else IndexSampler.shard(n, info)
+            sampler = (one_process_sampler(n, seed) if train
+                       else IndexSampler.shard(n, info.rank, info.world_size))
         self.sampler = ResumableSampler(sampler) if train else sampler
         # Normalize((x/255 - mean) / std) as x * scale + bias on the 0..255 values.
         std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1) * 255
@@ -106,13 +105,17 @@ class DeviceLoader:
         # rounds to uint8 like PIL; CUDA's antialiased kernel takes floating types only.
         self.resize_uint8 = self.device.type == "cpu"
 
+    def start_at(self, batch: int) -> None:
+        """The epoch's batches from ``batch`` on (a resumed epoch's rest); 0: all of them."""
+        self.sampler.start_index = batch * self.batch_size
+
     def __len__(self) -> int:
-        """Batches this rank yields in the current epoch (after ``sampler.start_index``)."""
+        """Batches this rank yields in the current epoch (after ``start_at``)."""
         return math.ceil(len(self.sampler) / self.batch_size)
 
     def _epoch_indices(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        # The training sampler's flips, from (seed, epoch, rank) on the host and cut at its
-        # start_index: the classic path's, on any device, and in a resumed epoch exactly
+        # The training sampler's flips, from (seed, epoch, rank) on the host and cut where
+        # the epoch starts: the classic path's, on any device, and in a resumed epoch exactly
         # those of the interrupted one.
         host = [torch.tensor(list(self.sampler), dtype=torch.int64)]
         if self.train:
@@ -130,7 +133,7 @@ class DeviceLoader:
             # bilinear resize of a mirrored image is the mirrored resize.
             batch_u8 = torch.where(flip.view(-1, 1, 1, 1), batch_u8.flip(3), batch_u8)
         size = (self.img_size, self.img_size)
-        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        fmt = self.memory_format
         if tuple(batch_u8.shape[-2:]) != size and self.resize_uint8:
             batch_u8 = F.interpolate(batch_u8.contiguous(memory_format=torch.channels_last),
                                      size=size, mode="bilinear", antialias=True,

@@ -13,7 +13,8 @@ from typing import Iterator, Sequence
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
-from .process import DistInfo, UserError, derived_seed
+from ..errors import UserError
+from ..randomness import derived_seed
 
 
 class ResumableSampler(Sampler[int]):
@@ -25,7 +26,8 @@ class ResumableSampler(Sampler[int]):
     It also draws each sample's horizontal flip, from (seed, epoch, rank) alone: the same
     flips on both input paths, in a resumed epoch as in the interrupted one, and none of
     the random stream that dropout draws from. ``pairs``: it yields ``(index, flip)`` (the
-    classic path's :class:`.datasets.NextReadable` takes them); else the indices, and the fast path
+    classic path's :class:`.classic.NextReadable` takes them); else the indices, and the fast
+    path
     takes :meth:`flips`."""
 
     def __init__(self, sampler: Sampler[int], pairs: bool = False) -> None:
@@ -75,9 +77,9 @@ class IndexSampler(Sampler[int]):
         self.indices = indices
 
     @classmethod
-    def shard(cls, size: int, info: DistInfo) -> "IndexSampler":
+    def shard(cls, size: int, rank: int, world_size: int) -> "IndexSampler":
         """Every world_size-th index from ``rank``: disjoint shards covering each sample once."""
-        return cls(range(info.rank, size, info.world_size))
+        return cls(range(rank, size, world_size))
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)

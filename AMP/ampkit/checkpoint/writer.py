@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .process import UserError, first_line
+from ..errors import UserError, first_line
 
 
 def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
@@ -148,6 +148,14 @@ def link_or_write(link: Link) -> None:
         return
     os.replace(tmp, link.target)
     _fsync_folder(link.target.parent)
+
+
+def remove_stale_temps(folder: Path) -> None:
+    """Delete temporary files left by a save that was killed (they never replaced a
+    checkpoint), and spares left by a run that was killed."""
+    for tmp in [*Path(folder).glob(".*.pth.*.tmp"), *Path(folder).glob(".*.pth.spare")]:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def remove_spares(folder: Path) -> None:

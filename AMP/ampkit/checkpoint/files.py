@@ -5,7 +5,7 @@
 - ``torch.load(weights_only=True)``: pickled callables are refused unrun; every failure is
   one line naming the file.
 - :func:`identity`: a file's size and a hash of its zip directory, what the ranks compare
-  before and after they resume. Writing is ``checkpoint_writer``'s.
+  before and after they resume. Writing is :mod:`.writer`'s.
 """
 from __future__ import annotations
 
@@ -19,9 +19,19 @@ from typing import Any, BinaryIO, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from .process import UserError, first_line
+from ..errors import UserError, first_line
 
 LAST, BEST = "last.pth", "best.pth"
+
+
+def args_to_plain(args) -> dict:
+    """The run's flags (an argparse Namespace) as plain data (str/int/float/bool/None): safe
+    to store in a checkpoint, and to compare with a resumed run's."""
+    return {k: plain(v) for k, v in vars(args).items()}
+
+
+def plain(value):
+    return str(value) if isinstance(value, Path) else value
 
 
 _WRAPPER_SEGMENTS = ("module", "_orig_mod")
@@ -33,11 +43,6 @@ def strip_prefixes(state_dict: Dict[str, Any]) -> Dict[str, Any]:
     ``model.features`` gives ``features.module.0.weight``)."""
     return {".".join(p for p in key.split(".") if p not in _WRAPPER_SEGMENTS): value
             for key, value in state_dict.items()}
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """FSDP2 (``fully_shard``): the parameters are DTensors, each process holding a shard."""
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def load(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:

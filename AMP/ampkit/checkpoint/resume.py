@@ -1,9 +1,14 @@
-"""Resuming a run: which checkpoint, whether it fits this run, and loading it.
+"""Resuming a run, in the two calls a script makes: :func:`resume` before ``build()`` wraps
+the network, :func:`restore` after it.
 
-``--resume`` (this variant's last.pth), ``--resume PATH``, or a torchrun restart, which
-continues from last.pth by itself. Variant, data, image size and global batch (and, mid-
-epoch, the world size) must match; what differs is said in one line. The weights go into
-the bare model before it is wrapped; the other states wait for the script's ``build()``.
+``resume``: which checkpoint (``--resume``: this variant's last.pth; ``--resume PATH``; or a
+torchrun restart, which continues from last.pth by itself), chosen by rank 0 and seen by
+every rank; whether it fits this run (variant, data, image size and global batch, and
+mid-epoch the world size, must match: what differs is said in one line); its weights into
+the bare network and this rank's random streams back; every rank must have read the same
+bytes. ``restore``: the saved optimizer (FSDP2: sharded again), LR schedule, GradScaler and
+comm hook states into the objects the script's ``build()`` made; where the run starts, and
+the flags it changes against the checkpoint's run, said.
 """
 from __future__ import annotations
 
@@ -16,20 +21,25 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import checkpoint_files
-from .config import plain
-from .process import UserError
+from ..distributed import agree_on_resumed, gather_from_ranks, load_optimizer_state
+from ..device import DistInfo
+from ..errors import UserError
+from ..technique import DEFAULT_LR
+from ..randomness import restore_random_state
+from . import files as checkpoint_files
+from .files import plain
 
 
-def resume_path(args, run_dir: Path) -> Optional[Path]:
-    """The checkpoint this run continues, or None for a new run."""
-    if args.resume == "auto":
+def resume_path(resume_flag: Optional[str], run_dir: Path) -> Optional[Path]:
+    """The checkpoint this run continues (``--resume``: None, "auto" or a PATH), or None for
+    a new run."""
+    if resume_flag == "auto":
         path = run_dir / checkpoint_files.LAST
         if not path.is_file():
             raise UserError(f"--resume: no checkpoint to resume at {path}")
         return path
-    if args.resume:
-        return checkpoint_files.resolve(Path(args.resume), "--resume")
+    if resume_flag:
+        return checkpoint_files.resolve(Path(resume_flag), "--resume")
     # Restarted by torchrun (--max-restarts): continue from the latest checkpoint.
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if restarted and (run_dir / checkpoint_files.LAST).is_file():
@@ -37,14 +47,14 @@ def resume_path(args, run_dir: Path) -> Optional[Path]:
     return None
 
 
-def what_this_rank_sees(args, run_dir: Path) -> tuple:
+def what_this_rank_sees(resume_flag: Optional[str], run_dir: Path) -> tuple:
     """What this rank finds to resume (:func:`agreed_path` compares every rank's):
     (host, the path it looked at, found, why it cannot use it or None, its identity)."""
     try:
-        mine, error = resume_path(args, run_dir), None
+        mine, error = resume_path(resume_flag, run_dir), None
     except UserError as e:
         mine, error = None, str(e)
-    looked = str(mine or (Path(args.resume) if args.resume not in (None, "auto")
+    looked = str(mine or (Path(resume_flag) if resume_flag not in (None, "auto")
                           else run_dir / checkpoint_files.LAST))
     identity, unreadable = _identity(mine)
     return socket.gethostname(), looked, mine is not None, error or unreadable, identity
@@ -95,7 +105,8 @@ def _identity(path: Optional[Path]) -> Tuple[Optional[Tuple[int, str]], Optional
 
 
 def resume_mismatches(state: dict, args, world_size: int) -> List[str]:
-    """What differs between a checkpoint and the run about to continue it, in words."""
+    """What differs between a checkpoint and the run about to continue it (``args``: this
+    run's flags), in words."""
     trained, diffs, variant = state.get("args") or {}, [], args.variant
     if state.get("variant", variant) != variant:
         diffs.append(f"it is a {state['variant']} run, this is {variant}")
@@ -148,65 +159,76 @@ class Resumed:
         return self.so_far if epoch == self.epoch else None
 
 
-def load_resume(path: Path, args, model: nn.Module, device: torch.device,
-                world_size: int, rank: int) -> Resumed:
-    """Check ``path`` against this run, load its weights into the bare ``model`` and this
-    rank's random streams (dropout's, per GPU too), so that it goes on drawing where the
-    stopped run was."""
+def load_resume(path: Path, args, network: nn.Module, info: DistInfo) -> Resumed:
+    """Check ``path`` against this run (``args``: its flags), load its weights into the bare
+    ``network`` and this rank's random streams (dropout's, per GPU too), so that it goes on
+    drawing where the stopped run was."""
     state, identity = checkpoint_files.load_with_identity(path, map_location="cpu")
     if "optimizer" not in state:
         raise UserError(f"{path}: holds weights only (no optimizer state); cannot resume "
                         f"from it (--init_from {path} starts a new run from its weights)")
-    diffs = resume_mismatches(state, args, world_size)
+    diffs = resume_mismatches(state, args, info.world_size)
     if diffs:
         raise UserError(f"--resume {path} does not fit this run: {'; '.join(diffs)}. Resume "
                         f"with the same settings, or start a new run from its weights with "
                         f"--init_from {path}")
-    checkpoint_files.load_weights(model, state, path)
-    streams = _restore_random_states(state.get("rng"), rank, world_size, device)
+    checkpoint_files.load_weights(network, state, path)
+    streams = restore_random_state(state.get("rng"), info.rank, info.world_size, info.device)
     return Resumed(path, int(state["epoch"]), int(state.get("step", 0)),
                    float(state.get("best_acc", -1.0)), int(state.get("best_epoch", -1)),
                    {k: state.get(k) for k in ("optimizer", "scheduler", "scaler", "comm_hook")},
                    state.get("args") or {}, identity, state.get("epoch_so_far"), streams)
 
 
-def _restore_random_states(saved: Any, rank: int, world_size: int,
-                           device: torch.device) -> str:
-    """This rank's saved streams back (``saved``: one entry per rank; an older checkpoint's
-    dict: rank 0's alone). "" when restored; else what the streams are instead, in words."""
-    if isinstance(saved, dict):  # written before every rank's streams were saved
-        saved = [saved] if world_size == 1 else None
-    if not isinstance(saved, list) or len(saved) != world_size:
-        return (f"the random streams (dropout) start anew from --seed: the checkpoint holds "
-                f"{len(saved) if isinstance(saved, list) else 'no'} rank's streams, this run "
-                f"has {world_size} processes")
-    mine = saved[rank]
-    torch.set_rng_state(mine["torch"])
-    cuda = mine.get("cuda")
-    if device.type == "cuda" and cuda is not None:
-        cuda = cuda if isinstance(cuda, list) else [cuda]  # older: this device's alone
-        for index, state in enumerate(cuda[:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(state, index)
-    return ""
+def resume(resume_flag: Optional[str], run_dir: Path, network: nn.Module, info: DistInfo, *,
+           init_from: Optional[Path], args) -> Resumed:
+    """Where the run starts, before ``build()`` wraps the bare ``network``: the checkpoint to
+    continue (``--resume``, or a torchrun restart; rank 0's choice, which every rank must see:
+    :func:`agreed_path`) loaded into it, or for a new run ``init_from``'s weights (None: the
+    network as built). ``args``: this run's flags, which the checkpoint's must fit. Every rank
+    together: each must have read the same bytes, or every rank stops with one line."""
+    seen = gather_from_ranks([what_this_rank_sees(resume_flag, run_dir)], info)
+    path = agreed_path(seen, info.rank)
+    resumed, failed = Resumed(), None
+    try:
+        if path is not None:
+            resumed = load_resume(path, args, network, info)
+    except UserError as e:  # this rank's: every rank stops, in one line
+        failed = str(e)
+    agree_on_resumed(failed or resumed.loaded, info)
+    if path is None and init_from is not None:  # another run's weights
+        checkpoint_files.load_weights_from(network, init_from, "--init_from")
+    return resumed
 
 
-def load_states(resumed: Resumed, technique, scheduler, args) -> str:
+def restore(resumed: Resumed, technique, scheduler, log, *, args, comm_hook=None) -> None:
+    """After ``build()``: a resumed run's optimizer (FSDP2: sharded again), LR schedule,
+    GradScaler and (DDP's) ``comm_hook`` states loaded into the objects the script made;
+    where the run starts and the flags it changes against the checkpoint's run (``args``:
+    this run's), said by ``log``."""
+    saved_hook, changed = resumed.states.get("comm_hook"), ""
+    if resumed.states:
+        load_optimizer_state(technique.optimizer, resumed.states["optimizer"], technique.model)
+        load_states(resumed, technique, scheduler)  # the schedule's, the scaler's
+        changed = changes(resumed.trained, args, technique.optimizer)
+    if resumed.path is not None and comm_hook is not None:  # PowerSGD's step count, in words
+        changed = "\n".join(filter(None, [changed, comm_hook.load_state_dict(saved_hook)]))
+    log.print(start_message(resumed, args.variant, args.epochs, args.init_from, changed))
+
+
+def load_states(resumed: Resumed, technique, scheduler) -> None:
     """The LR schedule's and GradScaler's saved states, into the objects the script's
     ``build()`` made, after the optimizer's (``distributed.load_optimizer_state``, on every
-    rank). Returns what this run changes against the checkpoint's run, in words ("" for
-    nothing): see :func:`changes`."""
-    if not resumed.states:
-        return ""
+    rank); then they are let go."""
     scheduler.load_state_dict(resumed.states["scheduler"])
     if technique.scaler is not None and resumed.states["scaler"]:
         technique.scaler.load_state_dict(resumed.states["scaler"])
     resumed.states = {}
-    return changes(resumed.trained, args, technique.optimizer)
 
 
 # Refused when they differ (resume_mismatches), or not flags of the run: not named again.
 NOT_COMPARED = {"dataset", "dataset_root", "img_size", "arch", "variant", "resume", "init_from",
-                "given", "lr"}
+                "lr"}
 
 
 def changes(trained: Dict[str, Any], args, optimizer: torch.optim.Optimizer) -> str:
@@ -216,29 +238,31 @@ def changes(trained: Dict[str, Any], args, optimizer: torch.optim.Optimizer) -> 
     now = {key: plain(value) for key, value in vars(args).items() if key not in NOT_COMPARED}
     notes = [f"--{key} {now[key]} (was {then})" for key, then in sorted(trained.items())
              if key in now and now[key] != then]
-    saved_lr = optimizer.param_groups[0]["lr"]
-    if "lr" in args.given and args.lr != saved_lr:
+    saved_lr, started_lr = optimizer.param_groups[0]["lr"], trained.get("lr") or DEFAULT_LR
+    if args.lr is not None and args.lr != saved_lr:
         for group in optimizer.param_groups:
             group["lr"] = args.lr
         notes.append(f"--lr {args.lr:g} (the optimizer was at {saved_lr:g}: now at {args.lr:g})")
-    elif "lr" not in args.given and trained.get("lr", args.lr) != args.lr:
+    elif args.lr is None and started_lr != DEFAULT_LR:
         notes.append(f"--lr not given: the optimizer goes on at its saved {saved_lr:g} (the run "
-                     f"was started with --lr {trained['lr']:g}; give --lr to set it)")
+                     f"was started with --lr {started_lr:g}; give --lr to set it)")
     if not notes:
         return ""
     return "flags that differ from the checkpoint's run (this run's are used): " + "; ".join(notes)
 
 
-def start_message(resumed: Resumed, args, changed: str = "") -> Optional[str]:
-    """The lines that say where a resumed run, or one started from weights, begins, and
-    (``changed``) what it changes against the checkpoint's run; None for a new run."""
-    if resumed.path is not None and resumed.epoch >= args.epochs:
-        return (f"{args.variant}: {resumed.path} has already trained {resumed.epoch} of "
-                f"--epochs {args.epochs}; nothing to do (raise --epochs to train on)")
+def start_message(resumed: Resumed, variant: str, epochs: int, init_from: Optional[Path],
+                  changed: str = "") -> Optional[str]:
+    """The lines that say where a resumed run, or one started from ``init_from``'s weights,
+    begins, and (``changed``) what it changes against the checkpoint's run; None for a new
+    run."""
+    if resumed.path is not None and resumed.epoch >= epochs:
+        return (f"{variant}: {resumed.path} has already trained {resumed.epoch} of "
+                f"--epochs {epochs}; nothing to do (raise --epochs to train on)")
     if resumed.path is not None:
         return (f"resumed from {resumed.path}: epoch {resumed.epoch + 1}, step {resumed.step}"
                 + (f"; {resumed.streams}" if resumed.streams else "")
                 + (f"\n{changed}" if changed else ""))
-    if args.init_from is not None:
-        return f"starting from the weights of {args.init_from} (epoch 1, a new optimizer)"
+    if init_from is not None:
+        return f"starting from the weights of {init_from} (epoch 1, a new optimizer)"
     return None

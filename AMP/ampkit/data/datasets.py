@@ -1,9 +1,12 @@
-"""CIFAR-10: torchvision's data set, and the checks on its archive and its files.
+"""The data sets both input paths read: CIFAR-10 (torchvision's, checked), ImageFolder
+(``<root>/train/<class>/*``, ``<root>/val/<class>/*``) and FakeData, and what their images
+go through (resized, normalised with ImageNet's statistics).
 
-Downloaded into ``--dataset_root`` by one process per node (no network: the error says
-where to put the archive), checked against its md5 and member by member before anything
-is extracted, its labels checked to be classes. A broken extracted file is named, and
-extracted again from the archive when it lies beside it.
+CIFAR-10 is downloaded into ``--dataset_root`` by one process per node (no network: the error
+says where to put the archive), checked against its md5 and member by member before anything
+is extracted, its labels checked to be classes; a broken extracted file is named, and
+extracted again from the archive when it lies beside it. An unreadable image of an
+ImageFolder becomes an :class:`Unreadable` sample, which the loaders report or pass over.
 """
 from __future__ import annotations
 
@@ -11,14 +14,18 @@ import numbers
 import os
 import pickle
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torchvision
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+from torchvision import transforms
 from torchvision.datasets.utils import calculate_md5, download_url
 
-from .process import UserError
+from ..errors import RankError, UserError
 
 CIFAR_CLASSES = 10  # its labels: 0..9
 CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
@@ -167,3 +174,108 @@ def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
 def check_cifar_root(root: Path) -> None:
     if root.exists() and not root.is_dir():
         raise UserError(f"--dataset_root {root} is a file, not a folder")
+
+
+# ImageNet statistics: standard for AlexNet and what its pretrained weights expect.
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+FAKE_TRAIN_SIZE, FAKE_VAL_SIZE = 1000, 200
+# The data sets of a known number of classes (ImageFolder: its number of class folders),
+# which the fast input path holds whole on the device.
+NUM_CLASSES = {"CIFAR10": CIFAR_CLASSES, "FakeData": 10}
+
+
+def build_transform(img_size: int) -> transforms.Compose:
+    """What both splits' images go through; a training image's flip is its sampler's
+    (:class:`.samplers.ResumableSampler`), not a random transform's."""
+    return transforms.Compose([transforms.Resize((img_size, img_size), antialias=True),
+                               transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+
+
+class BadImage(RankError):
+    """An image file that cannot be read: corrupt, truncated, not an image, no permission."""
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """Stands in a sample for an image that could not be read: its path, and why."""
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.reason})"
+
+
+class ImageFolder(torchvision.datasets.ImageFolder):
+    """torchvision's ImageFolder whose unreadable images become :class:`Unreadable` samples:
+    raised inside a DataLoader worker, their error would reach the user as a traceback,
+    without the file's name in its last line."""
+
+    def __getitem__(self, index: int):
+        path, target = self.samples[index]
+        try:
+            with open(path, "rb") as f:
+                image = Image.open(f).convert("RGB")  # decodes it all: truncation shows here
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            reason = ("not an image file PIL can read" if isinstance(e, UnidentifiedImageError)
+                      else e.strerror if isinstance(e, PermissionError)
+                      else (str(e).splitlines() or [type(e).__name__])[0])
+            return Unreadable(path, reason), target
+        return (self.transform(image) if self.transform else image), target
+
+
+def _image_folder(root: Path, split: str, transform) -> ImageFolder:
+    folder = root / split
+    if not folder.is_dir():
+        raise UserError(f"--dataset ImageFolder expects {folder}/ with one folder per class "
+                        f"(and {root / ('val' if split == 'train' else 'train')}/ beside it)")
+    try:
+        with os.scandir(folder) as entries:  # os.walk, in ImageFolder, skips unreadable ones
+            for entry in entries:
+                if entry.is_dir():
+                    with os.scandir(entry.path):
+                        pass
+        return ImageFolder(str(folder), transform=transform)
+    except PermissionError as e:
+        raise UserError(f"{e.filename or folder}: {e.strerror} (the data set must be readable "
+                        "by this user)") from None
+    except (OSError, RuntimeError) as e:
+        raise UserError(f"{folder}: {str(e).splitlines()[0]}") from None
+
+
+@dataclass
+class Datasets:
+    train: Optional[Dataset]
+    val: Dataset
+    num_classes: int
+
+
+def build_datasets(name: str, root: Path, img_size: int, download: bool,
+                   train: bool = True) -> Datasets:
+    """The training split (unless ``train=False``) and the validation/test split; CIFAR-10
+    downloaded if it is not there and ``download`` (one process per node: the caller runs
+    it first, ``distributed.local_main_first``)."""
+    root = Path(root)
+    train_tf = val_tf = build_transform(img_size)
+    if name == "CIFAR10":
+        check_cifar_root(root)
+        train_set = cifar10(root, True, train_tf, download=download) if train else None
+        val_set = cifar10(root, False, val_tf, download=download and not train)
+        return Datasets(train_set, val_set, NUM_CLASSES[name])
+    if name == "ImageFolder":
+        if not root.is_dir():
+            raise UserError(f"--dataset_root {root} does not exist or is not a folder")
+        if not any(root.iterdir()):
+            raise UserError(f"--dataset_root {root} is empty: ImageFolder expects train/ and val/")
+        train_set = _image_folder(root, "train", train_tf) if train else None
+        val_set = _image_folder(root, "val", val_tf)
+        if train_set is not None and train_set.classes != val_set.classes:
+            raise UserError(f"{root}: train/ and val/ have different class folders")
+        return Datasets(train_set, val_set, len(val_set.classes))
+    if name == "FakeData":
+        fake = torchvision.datasets.FakeData
+        size = (3, 32, 32)
+        train_set = fake(FAKE_TRAIN_SIZE, size, 10, train_tf, random_offset=0) if train else None
+        val_set = fake(FAKE_VAL_SIZE, size, 10, val_tf, random_offset=FAKE_TRAIN_SIZE)
+        return Datasets(train_set, val_set, NUM_CLASSES[name])
+    raise UserError(f"unknown --dataset {name!r}")

@@ -1,4 +1,5 @@
-"""When a run saves, and what: the save policy and the checkpoint's content.
+"""When a run saves, and what: the :class:`Saver` a script saves through, its save policy, and
+the checkpoint's content.
 
 - ``last.pth``: the full state after an epoch, or at a stop: the script's unwrapped weights,
   optimizer, LR schedule and GradScaler, the counters, every rank's random streams and the
@@ -9,22 +10,28 @@
   very file (a hard link: nothing more is written, and it holds the full state); a best
   epoch between two saves of last.pth waits in memory, weights and metadata, and is
   written after the next one. There is never a best.pth without a last.pth to resume from.
-- Every rank makes the state (FSDP2 gathers it); global rank 0 alone writes, in the
-  background.
+- Every rank makes the state (FSDP2 gathers it) and calls every method of :class:`Saver`
+  in the same order (the save's time and the random streams are agreed and gathered);
+  global rank 0 alone writes, in the background (:mod:`.writer`).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .process import DistInfo
-from . import checkpoint_files
-from .checkpoint_writer import BackgroundWriter, Link, Snapshot, remove_spares
-from .run_folder import remove_stale_temps
-from .config import args_to_plain, parse_interval
+from ..device import DistInfo
+from ..distributed import any_rank, rank_random_states
+from ..errors import Interrupted
+from ..flags import parse_interval
+from . import files as checkpoint_files
+from .files import args_to_plain
+from .resume import Resumed
+from .writer import BackgroundWriter, Link, Snapshot, remove_spares, remove_stale_temps
 
 # What only resuming needs: last.pth has it, best.pth (weights and metadata) does not.
 RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng", "epoch_so_far")
@@ -35,8 +42,8 @@ def checkpoint_state(saved: Dict[str, Any], args, info: DistInfo, counters: Dict
     """The checkpoint's content (live tensors): the script's ``saved`` (``model``: its
     unwrapped weights, ``optimizer``, ``scheduler``, ``scaler``, DDP's ``comm_hook``),
     ``counters`` (epoch, step, best_acc, best_epoch, val_acc; at a stop the epoch's figures
-    so far) and the run's metadata; with ``random_states`` (every rank's, in rank order), what only resuming
-    needs. A wrapper's prefix still in a key (DataParallel around ``model.features``,
+    so far) and the run's flags (``args``, recorded); with ``random_states`` (every rank's,
+    in rank order), what only resuming needs. A wrapper's prefix still in a key (DataParallel around ``model.features``,
     autocast's wrapper in DataParallel's replicas) is dropped."""
     state = {"model": checkpoint_files.strip_prefixes(saved["model"]), "arch": args.arch,
              **counters, "num_classes": num_classes, "variant": args.variant,
@@ -53,8 +60,8 @@ class SavePolicy:
     """Decides when to write last.pth and best.pth, and hands them to the background writer."""
 
     def __init__(self, run_dir: Path, save_every: str, epochs: int, info: DistInfo,
-                 resumed=None) -> None:
-        """``resumed``: where a resumed run's last.pth stands (a ``resume.Resumed``)."""
+                 resumed: Optional[Resumed] = None) -> None:
+        """``resumed``: where a resumed run's last.pth stands."""
         self.run_dir, self.epochs, self.info = run_dir, epochs, info
         self.every_epochs, self.every_seconds = parse_interval(save_every)
         landed = (_describe(resumed.epoch, resumed.step)
@@ -147,3 +154,67 @@ def _weights(state: Dict[str, Any]) -> Dict[str, Any]:
 
 def _describe(epoch: int, step: int) -> str:
     return f"epoch {epoch}" + (f" and {step} steps of the next" if step else "")
+
+
+class Saver:
+    """A run's saves, as the script makes them (a ``with``): :meth:`save` after each epoch
+    (last.pth as ``--save_every`` says, best.pth at a new best), :meth:`save_stop` at a stop;
+    after a second Ctrl-C, what was saved, in one line. ``training_state()`` is the script's:
+    what a checkpoint holds of its objects. ``args``: the run's flags, recorded in each
+    checkpoint."""
+
+    def __init__(self, run_dir: Path, info: DistInfo, resumed: Resumed, *, save_every: str,
+                 epochs: int, num_classes: int, args) -> None:
+        self.info, self.resumed, self.num_classes, self.args = info, resumed, num_classes, args
+        self.epochs = epochs
+        self.policy = SavePolicy(run_dir, save_every, epochs, info, resumed)
+        self.best_acc, self.best_epoch = resumed.best_acc, resumed.best_epoch
+        self.val_acc: Optional[float] = None  # the last epoch's
+        self.timing: dict = {}  # the last save's, for its epoch's row
+        self.stopped_at: Optional[tuple] = None  # (epochs done, step) where a stop saved
+
+    def __enter__(self) -> "Saver":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is KeyboardInterrupt:  # a second Ctrl-C: say what was saved; go
+            raise Interrupted(*self.policy.abandon()) from None
+
+    def save(self, training_state: Callable[[], dict], epochs_done: int, val_acc: float) -> None:
+        """After ``epochs_done`` epochs: last.pth as ``--save_every`` says (its time: on any
+        rank's clock), best.pth at a new best."""
+        self.val_acc = val_acc
+        if val_acc > self.best_acc:
+            self.best_acc, self.best_epoch = val_acc, epochs_done
+        time_up = any_rank(self.policy.time_up_here(), self.info)  # --save_every 30m, say
+        self.timing = self.policy.save(
+            partial(self._state, training_state, epochs_done, 0, val_acc, None), epochs_done,
+            time_up=time_up, is_best=self.best_epoch == epochs_done)
+
+    def save_stop(self, training_state: Callable[[], dict], epoch: int, stats) -> None:
+        """A stop's last.pth, written before the run goes on to its end, at the point the
+        epoch ``epoch`` stopped (``stats.stopped_at``, its steps: saved with its figures so
+        far; 0, before it began: after ``epoch`` epochs), unless last.pth holds it already."""
+        step = stats.stopped_at
+        self.stopped_at, self.timing = (epoch, step), {}
+        if self.policy.last_saved == (epoch, step):
+            self.policy.wait()  # the save just made is the stop's
+            return
+        val_acc, so_far = (None, stats) if step else (self.val_acc, None)
+        self.policy.save(partial(self._state, training_state, epoch, step, val_acc, so_far),
+                         epoch, is_best=False, now=True, step=step)
+
+    def finish(self) -> None:
+        """After the last epoch: the last save written (rank 0: the spares removed)."""
+        self.policy.finish()
+
+    def _state(self, training_state: Callable[[], dict], epoch: int, step: int,
+               val_acc: Optional[float], so_far, resume: bool) -> dict:
+        counters = {"epoch": epoch, "step": step, "best_acc": self.best_acc,
+                    "best_epoch": self.best_epoch, "val_acc": val_acc}
+        if so_far is not None:
+            counters["epoch_so_far"] = dataclasses.asdict(so_far)
+        saved = training_state()  # every rank (FSDP2 gathers), then every rank's streams:
+        streams = rank_random_states(self.info) if resume else None  # both collectives
+        return checkpoint_state(saved, self.args, self.info, counters, self.num_classes,
+                                streams)

@@ -1,8 +1,10 @@
-"""Command-line flags of the train and eval scripts, and their checks.
+"""Command-line flags of the train and eval scripts, and their checks: a flag a run cannot
+honour is refused in one line, before anything starts.
 
 The article's flag names and defaults are kept (CIFAR10, 227 px, batch 64,
 AdamW lr 1e-4, 20 epochs); booleans are real booleans (``--cuda/--no-cuda``),
 and default paths are relative to the repository root, not the current folder.
+The flags a run was started with are recorded in its checkpoints (``checkpoint.files``).
 """
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .archs import check_arch_flags
-from .process import UserError
-from .wire_flags import add_wire_flags, check_wire_flags
+from .errors import UserError
+from .models import check_arch_flags, check_dp_scope
+from .technique import DEFAULT_LR
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO_ROOT / "data"
 CHECKPOINT_DIR = REPO_ROOT / "checkpoint"
 TENSORBOARD_DIR = REPO_ROOT / "tensorboard"
@@ -101,19 +103,12 @@ def _description(doc: Optional[str], default: str) -> str:
     return (doc or "").strip().splitlines()[0] if (doc or "").strip() else default
 
 
-def train_parser(variant: str, process_group: bool = False, doc: Optional[str] = None) -> Parser:
-    """The flags of a train script; ``process_group``: one of a group's processes (DDP, FSDP2),
-    whose --batch_size is per process."""
-    p = Parser(prog=f"{variant}.py", formatter_class=_formatter,
-               description=_description(doc, f"Train AlexNet, or any --arch ({variant})."))
-    p.set_defaults(variant=variant)
-    _add_common(p, process_group=process_group, for_eval=False)
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The run's folders, its resume, saves, logs and traces."""
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
                    help="log to TensorBoard")
     p.add_argument("--tensorboard_log", type=Path, default=TENSORBOARD_DIR,
                    help="TensorBoard folder; this run logs to <it>/<variant>/<time>/")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    p.add_argument("--epochs", type=int, default=20, help="number of epochs to train")
     p.add_argument("--checkpoint", type=Path, default=CHECKPOINT_DIR,
                    help="checkpoint folder; this run writes <it>/<variant>/{last,best}.pth")
     p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH",
@@ -123,6 +118,30 @@ def train_parser(variant: str, process_group: bool = False, doc: Optional[str] =
     p.add_argument("--init_from", type=Path, default=None, metavar="PATH",
                    help="start a new run (epoch 1, fresh optimizer) from another checkpoint's "
                         "weights")
+    p.add_argument("--log_every", type=int, default=20,
+                   help="optimizer steps between reads of the loss on the host (progress bar, "
+                        "checks)")
+    p.add_argument("--profile", action="store_true",
+                   help="record 3 steps of the first epoch (after 2 warm-up steps) with "
+                        "torch.profiler: a trace per rank in <checkpoint>/<variant>/profile/ "
+                        "(open it in https://ui.perfetto.dev) and the top operators printed")
+    p.add_argument("--save_every", type=save_interval, default="1", metavar="N|Ns|Nm",
+                   help="write last.pth every N epochs, or after the epoch that ends N seconds "
+                        "(Ns) or minutes (Nm) after the previous save, in the background; the "
+                        "last epoch and a stop always save; 0: only they do")
+
+
+def train_parser(variant: str, process_group: bool = False, doc: Optional[str] = None) -> Parser:
+    """The flags of a train script; ``process_group``: one of a group's processes (DDP, FSDP2),
+    whose --batch_size is per process."""
+    p = Parser(prog=f"{variant}.py", formatter_class=_formatter,
+               description=_description(doc, f"Train AlexNet, or any --arch ({variant})."))
+    p.set_defaults(variant=variant)
+    _add_common(p, process_group=process_group, for_eval=False)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"AdamW learning rate (default {DEFAULT_LR:g}; a resumed run goes on at "
+                        "its optimizer's saved rate unless --lr is given)")
+    p.add_argument("--epochs", type=int, default=20, help="number of epochs to train")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--pretrained", action="store_true",
                    help="start from torchvision's ImageNet weights (downloaded via torch.hub)")
@@ -141,24 +160,14 @@ def train_parser(variant: str, process_group: bool = False, doc: Optional[str] =
     p.add_argument("--peak_tflops", type=float, default=None, metavar="TFLOPS",
                    help="dense peak TFLOP/s of one device in this run's precision, for the "
                         "share of it the epoch line reports. Default: by GPU name "
-                        "(ampkit/machinery/hardware_use.py); none on the CPU")
-    p.add_argument("--log_every", type=int, default=20,
-                   help="optimizer steps between reads of the loss on the host (progress bar, "
-                        "checks)")
+                        "(ampkit/flops.py); none on the CPU")
     p.add_argument("--accum_steps", type=int, default=1, metavar="K",
                    help="micro-batches of --batch_size per optimizer step (gradient "
                         "accumulation): the global batch is batch_size x K x world size")
     p.add_argument("--clip_grad", type=float, default=None, metavar="MAX_NORM",
                    help="clip the gradients' total norm to MAX_NORM before each optimizer step "
                         "(after GradScaler's unscale_); the norm is logged either way")
-    p.add_argument("--profile", action="store_true",
-                   help="record 3 steps of the first epoch (after 2 warm-up steps) with "
-                        "torch.profiler: a trace per rank in <checkpoint>/<variant>/profile/ "
-                        "(open it in https://ui.perfetto.dev) and the top operators printed")
-    p.add_argument("--save_every", type=save_interval, default="1", metavar="N|Ns|Nm",
-                   help="write last.pth every N epochs, or after the epoch that ends N seconds "
-                        "(Ns) or minutes (Nm) after the previous save, in the background; the "
-                        "last epoch and a stop always save; 0: only they do")
+    _add_run_flags(p)
     add_wire_flags(p)
     return p
 
@@ -189,11 +198,11 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
     the script's name."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = train_parser(variant, process_group, doc).parse_args(argv)
-    args.given = given_flags(train_parser(variant, process_group, doc), argv)
+    given = given_flags(train_parser(variant, process_group, doc), argv)
     _check_common(args)
     if args.epochs <= 0:
         raise UserError(f"--epochs must be a positive integer, got {args.epochs}")
-    if not (math.isfinite(args.lr) and args.lr >= 0):
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
         raise UserError(f"--lr must be a finite number >= 0, got {args.lr}")
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops)
                                              and args.peak_tflops > 0):
@@ -204,7 +213,8 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
         raise UserError(f"--accum_steps must be a positive integer, got {args.accum_steps}")
     if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad > 0):
         raise UserError(f"--clip_grad must be a positive number, got {args.clip_grad}")
-    check_wire_flags(args)
+    check_wire_flags(args, given)
+    check_dp_scope(args.arch, args.dp_scope)
     if args.resume and args.init_from:
         raise UserError("--resume continues a run, --init_from starts a new one from a "
                         "checkpoint's weights: give one of them")
@@ -228,11 +238,50 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozens
     return frozenset(vars(parser.parse_args(argv)))
 
 
-def args_to_plain(args: argparse.Namespace) -> dict:
-    """The run's arguments as plain data (str/int/float/bool/None): safe to store in a
-    checkpoint (which of them the command line gave is not stored)."""
-    return {k: plain(v) for k, v in vars(args).items() if k != "given"}
+# ---- what travels between the processes: DDP's comm hook, FSDP2's reduce dtype
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")  # ampkit/comm_hooks.py
+REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # train_FSDP_mixed.py
 
 
-def plain(value):
-    return str(value) if isinstance(value, Path) else value
+def add_wire_flags(p: argparse.ArgumentParser) -> None:
+    """What travels between the processes: DDP's comm hook, FSDP2's reduce dtype."""
+    p.add_argument("--comm_hook", choices=COMM_HOOKS, default="none",
+                   help="DDP scripts: what the gradients' all-reduce sends: fp32 (none), cast "
+                        "to fp16 or bf16 (half the bytes), or PowerSGD's low-rank factors")
+    p.add_argument("--powersgd_rank", type=int, default=None, metavar="R",
+                   help="--comm_hook powersgd: the rank of each matrix's approximation "
+                        "(default 1)")
+    p.add_argument("--powersgd_start_iter", type=int, default=None, metavar="STEPS",
+                   help="--comm_hook powersgd: plain all-reduce steps before compressing "
+                        "(default: 10%% of the run's optimizer steps, at least 2)")
+    p.add_argument("--reduce_dtype", choices=REDUCE_DTYPES, default="float32",
+                   help="train_FSDP_mixed.py: the dtype FSDP2 reduce-scatters the gradients "
+                        "in (MixedPrecisionPolicy; with --accum_steps also the dtype they "
+                        "accumulate in)")
+
+
+def check_wire_flags(args: argparse.Namespace, given: frozenset) -> None:
+    """--comm_hook and --reduce_dtype: only where the run can honour them (``given``: the
+    flags the command line gave)."""
+    variant = args.variant
+    if args.comm_hook != "none" and not variant.startswith("train_DDP"):
+        why = ("FSDP2 reduce-scatters without DDP's hooks: train_FSDP_mixed.py has "
+               "--reduce_dtype" if variant.startswith("train_FSDP") else
+               "DataParallel sums the gradients on one GPU, in one process"
+               if variant.startswith("train_DP") else
+               "one device sends no gradients anywhere")
+        raise UserError(f"--comm_hook {args.comm_hook} is for the DDP scripts "
+                        f"(train_DDP*.py), not {variant}: {why}")
+    if {"powersgd_rank", "powersgd_start_iter"} & given and args.comm_hook != "powersgd":
+        raise UserError("--powersgd_rank and --powersgd_start_iter tune --comm_hook powersgd; "
+                        f"this run has --comm_hook {args.comm_hook}")
+    if args.powersgd_rank is not None and args.powersgd_rank <= 0:
+        raise UserError(f"--powersgd_rank must be a positive integer, got {args.powersgd_rank}")
+    if args.powersgd_start_iter is not None and args.powersgd_start_iter < 2:
+        raise UserError("--powersgd_start_iter must be at least 2 (PowerSGD's error feedback "
+                        f"needs a plain step first), got {args.powersgd_start_iter}")
+    if "reduce_dtype" in given and variant != "train_FSDP_mixed":
+        raise UserError(f"--reduce_dtype is train_FSDP_mixed.py's (FSDP2's "
+                        f"MixedPrecisionPolicy), not {variant}'s"
+                        + ("; the DDP scripts have --comm_hook"
+                           if variant.startswith("train_DDP") else ""))

@@ -1,17 +1,16 @@
-"""Logging on global rank 0 only: console lines, progress bars, TensorBoard scalars, a JSON
-line per epoch."""
+"""What a run says, on global rank 0 only: its first line, its progress bars, an epoch's line,
+TensorBoard scalars and JSON row (``log.jsonl``), and its last line."""
 from __future__ import annotations
 
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from tqdm import tqdm
 
-from .hardware_use import memory_kind
 
 # Seconds between redraws of a progress bar where stderr is not a terminal (a log file,
 # SLURM's, compare.py's children): a few lines a log keeps, not one redraw per step.
@@ -35,11 +34,13 @@ class RunLogger:
     """Prints, TensorBoard and ``log.jsonl`` for the main process; a no-op elsewhere."""
 
     def __init__(self, is_main: bool, tensorboard_dir: Optional[Path] = None,
-                 jsonl_path: Optional[Path] = None, resume_epoch: Optional[int] = None) -> None:
-        """``resume_epoch``: a resumed run, whose checkpoint holds that many epochs; the log's
-        rows of later epochs (logged, but not saved before the run stopped) are dropped, as
-        the run trains those epochs again. None: a new run, a new log."""
-        self.is_main = is_main
+                 jsonl_path: Optional[Path] = None, epochs: int = 0,
+                 resume_epoch: Optional[int] = None) -> None:
+        """``epochs``: the run's (an epoch's line says "3/20"). ``resume_epoch``: a resumed
+        run, whose checkpoint holds that many epochs; the log's rows of later epochs (logged,
+        but not saved before the run stopped) are dropped, as the run trains those epochs
+        again. None: a new run, a new log."""
+        self.is_main, self.epochs = is_main, epochs
         # Files are opened on first use, so a run that fails before its first epoch
         # neither truncates the previous run's log nor leaves an empty TensorBoard run.
         self.tensorboard_dir = tensorboard_dir if is_main else None
@@ -97,12 +98,13 @@ class RunLogger:
                 kept.append(line)
         return "".join(kept)
 
-    def epoch(self, row: Dict[str, Any], epochs: int, counts: tuple) -> None:
-        """An epoch's results: its line on the console, its row in log.jsonl, its scalars in
-        TensorBoard. ``counts``: validation's (correct, total)."""
+    def epoch(self, row: Dict[str, Any]) -> None:
+        """An epoch's results (``meters.Meters.row``): its line on the console, its row in
+        log.jsonl, its scalars in TensorBoard."""
         scale, util = row.get("grad_scale"), row.get("utilisation")
-        self.print(f"epoch {row['epoch']}/{epochs}  train_loss {row['train_loss']:.4f}  "
-                   f"val_acc {row['val_acc']:.4f} ({counts[0]}/{counts[1]})  lr {row['lr']:.2e}  "
+        self.print(f"epoch {row['epoch']}/{self.epochs}  train_loss {row['train_loss']:.4f}  "
+                   f"val_acc {row['val_acc']:.4f} ({row['val_correct']}/{row['val_seen']})  "
+                   f"lr {row['lr']:.2e}  "
                    f"time {row['epoch_time']:.1f}s  {row['images_per_s']:.0f} img/s  "
                    + achieved_text(row.get("tflops"), util)
                    + f"  grad_norm {row['grad_norm_mean']:.3g} (max {row['grad_norm_max']:.3g})"
@@ -136,40 +138,25 @@ class RunLogger:
             self.jsonl = None
 
 
-def epoch_row(epoch: int, stats, counts, lr: float, epoch_seconds: float, args, info,
-              scaler, skipped_images: int, per_rank: List[float], reset: bool) -> Dict[str, Any]:
-    """An epoch's figures, as the log line, log.jsonl and TensorBoard take them: ``stats``
-    (``ampkit.engine.EpochStats``), validation's ``counts`` (correct, seen) and this epoch's
-    peak memory on every rank (``per_rank``, in MB: see ``machinery.hardware_use``)."""
-    device = info.device
-    row = {"epoch": epoch + 1, "train_loss": stats.loss, "val_acc": counts[0] / counts[1],
-           "lr": lr, "epoch_time": epoch_seconds, "train_time": stats.seconds,
-           "data_time": stats.data_seconds, "images_per_s": stats.images_per_s,
-           "optimizer_steps": stats.steps,
-           "global_batch": args.batch_size * args.accum_steps * info.world_size,
-           "grad_norm_mean": stats.grad_norm_mean, "grad_norm_max": stats.grad_norm_max,
-           "skipped_steps": stats.skipped, "skipped_images": skipped_images,
-           "peak_mem_mb": max(per_rank), "peak_mem_mb_per_rank": per_rank,
-           "peak_mem_kind": memory_kind(device, reset)}
-    return row | ({"grad_scale": scaler.get_scale()} if scaler is not None else {})
-
-
-def header_line(args, info, technique, data, fp32_math: str) -> str:
-    """The run's first line: what trains, on what, in which precision, from which data."""
-    device, compute = info.device, technique.compute_dtype
+def header_line(variant: str, technique, data, info, *, accum_steps: int,
+                clip_grad: Optional[float], fp32_math: str) -> str:
+    """The run's first line: what trains, on what, in which precision, from which data
+    (``data``: ``ampkit.data.Loaders``; ``info``: ``ampkit.device.DistInfo``)."""
+    device, amp_dtype = info.device, technique.amp_dtype
     gpu = device.type == "cuda"
     dp = any(isinstance(m, torch.nn.DataParallel) for m in technique.model.modules())
     gpus = f" x{torch.cuda.device_count()} GPUs" if dp and gpu else ""
-    dtype = f" ({str(compute)[6:]})" if compute is not None else (f" ({fp32_math})" if gpu else "")
-    return (f"{args.variant}: {args.dataset} ({data.train_size} train / {data.val_size} val "
-            f"images, {data.num_classes} classes) at {args.img_size}px on {device}"
+    dtype = f" ({str(amp_dtype)[6:]})" if amp_dtype is not None else (f" ({fp32_math})" if gpu
+                                                                        else "")
+    batch = data.batch_size
+    return (f"{variant}: {data.name} ({data.train_size} train / {data.val_size} val "
+            f"images, {data.num_classes} classes) at {data.image_shape[-1]}px on {device}"
             f"{f' x{info.world_size} processes' if info.distributed else ''}{gpus}, "
             f"precision {technique.precision}{dtype}, "
-            f"batch {args.batch_size}{' per process' if info.distributed else ''}"
-            + (f" x {args.accum_steps} micro-batches per optimizer step (global batch "
-               f"{args.batch_size * args.accum_steps * info.world_size})"
-               if args.accum_steps > 1 else "")
-            + (f", gradients clipped to norm {args.clip_grad:g}" if args.clip_grad else "")
+            f"batch {batch}{' per process' if info.distributed else ''}"
+            + (f" x {accum_steps} micro-batches per optimizer step (global batch "
+               f"{batch * accum_steps * info.world_size})" if accum_steps > 1 else "")
+            + (f", gradients clipped to norm {clip_grad:g}" if clip_grad else "")
             + f", {data.kind} loader; progress in optimizer steps")
 
 
@@ -181,12 +168,13 @@ def achieved_text(tflops: Optional[float], utilisation: Optional[float]) -> str:
                                       if utilisation is not None else "")
 
 
-def summary_line(args, seconds: float, train_seconds: float, best_acc: float, best_epoch: int,
-                 run_dir: Path, tb_dir: Optional[Path], mean: Optional[dict] = None) -> str:
+def summary_line(variant: str, epochs: int, seconds: float, train_seconds: float,
+                 best_acc: float, best_epoch: int, run_dir: Path, tb_dir: Optional[Path],
+                 mean: Optional[dict] = None) -> str:
     """The run's last line; ``mean``: the run's achieved TFLOP/s (and share of peak)."""
     rate = (f", {achieved_text(mean['tflops'], mean['utilisation'])} on average"
             if mean and train_seconds > 0 else "")
-    return (f"done: {args.variant}, {args.epochs} epochs, {format_duration(seconds)} (training "
+    return (f"done: {variant}, {epochs} epochs, {format_duration(seconds)} (training "
             f"alone {format_duration(train_seconds)}{rate}), best val_acc "
             f"{max(best_acc, 0):.4f} at epoch {best_epoch}; checkpoints in {run_dir}"
             + (f"; TensorBoard in {tb_dir}" if tb_dir else ""))

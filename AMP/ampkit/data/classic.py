@@ -1,0 +1,140 @@
+"""The classic input path: torchvision's DataLoader with PIL transforms, workers (which
+ignore the stop signals) and pinned memory, for any data set; ImageFolder takes it.
+
+An unreadable image is a one-line error naming it; with ``--skip_bad_images`` validation
+leaves it out and lists it, and in training the next readable image takes its place
+(:class:`NextReadable`), so that every rank runs as many full batches.
+"""
+from __future__ import annotations
+
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from ..device import DistInfo
+from ..errors import UserError
+from ..signals import held_stop_signals, ignore_stop_signals
+from .datasets import BadImage, Unreadable
+from .samplers import IndexSampler, ResumableSampler, one_process_sampler
+
+
+def collate_readable(batch: list) -> Tuple[Optional[object], Optional[object], List[Unreadable]]:
+    """``(images, targets)`` of the readable samples (None, None if there is none), and the
+    unreadable ones."""
+    bad = [x for x, _ in batch if isinstance(x, Unreadable)]
+    good = [(x, y) for x, y in batch if not isinstance(x, Unreadable)]
+    images, targets = default_collate(good) if good else (None, None)
+    return images, targets, bad
+
+
+class NextReadable(Dataset):
+    """A training split whose unreadable image is replaced by the next readable one: each
+    sample, asked for as ``(index, flip)``, is ``(image, mirrored if flip, target, [the
+    Unreadable ones passed over])``.
+
+    A batch then never shrinks, and no rank runs fewer steps than its peers: under DDP or
+    FSDP2 a rank whose batch was left empty would skip a step, and the others would wait
+    for it in that step's collectives. The images passed over are listed like the ones
+    left out of validation."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: Tuple[int, bool]):
+        index, flip = key
+        passed = []
+        for offset in range(len(self.dataset)):
+            image, target = self.dataset[(index + offset) % len(self.dataset)]
+            if not isinstance(image, Unreadable):
+                return (image.flip(-1) if flip else image), target, passed
+            passed.append(image)
+        raise UserError(f"no image of the training split can be read (the first: {passed[0]})")
+
+
+def collate_next_readable(batch: list) -> Tuple[object, object, List[Unreadable]]:
+    """``(images, targets, the unreadable images passed over)`` of :class:`NextReadable`."""
+    images, targets = default_collate([(x, y) for x, y, _ in batch])
+    return images, targets, [bad for _, _, passed in batch for bad in passed]
+
+
+def default_workers(num_workers: Optional[int], device: torch.device) -> int:
+    return num_workers if num_workers is not None else (4 if device.type == "cuda" else 0)
+
+
+class CheckedLoader:
+    """A DataLoader whose batches arrive on ``device`` (the images in ``memory_format``), and
+    whose unreadable images (see :class:`.datasets.ImageFolder`) stop the run with a one-line
+    error naming the first, or with ``skip`` are left out of their batch and listed in
+    ``unreadable`` (emptied by its reader, once per epoch)."""
+
+    def __init__(self, loader: DataLoader, skip: bool, device: torch.device,
+                 memory_format: torch.memory_format, image_shape: Tuple[int, ...]) -> None:
+        self.loader, self.skip, self.device = loader, skip, device
+        self.memory_format, self.image_shape = memory_format, image_shape
+        self.unreadable: List[Unreadable] = []
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.loader.sampler
+
+    def start_at(self, batch: int) -> None:
+        """The epoch's batches from ``batch`` on (a resumed epoch's rest); 0: all of them."""
+        self.sampler.start_index = batch * self.loader.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        with held_stop_signals():  # the workers start here, the first time
+            batches = iter(self.loader)
+        for images, targets, bad in batches:
+            if bad and not self.skip:
+                raise BadImage(f"{bad[0].path}: unreadable image ({bad[0].reason}); replace or "
+                               "delete it, or pass --skip_bad_images to go on without it")
+            self.unreadable += bad
+            if images is not None:
+                yield (images.to(self.device, non_blocking=True, memory_format=self.memory_format),
+                       targets.to(self.device, non_blocking=True))
+
+
+def _loader(dataset: Dataset, sampler: Sampler, *, batch_size: int, num_workers: int,
+            device: torch.device, memory_format: torch.memory_format, img_size: int,
+            skip_bad: bool, collate=collate_readable) -> CheckedLoader:
+    # The workers ignore the stop signals: only the main process decides to stop
+    # (ampkit/signals.py). The loader's own generator draws the workers' seeds, not the
+    # random stream that dropout draws from (a resumed run goes on with that stream).
+    return CheckedLoader(DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+        pin_memory=device.type == "cuda", persistent_workers=num_workers > 0, drop_last=False,
+        collate_fn=collate, worker_init_fn=ignore_stop_signals,
+        generator=torch.Generator()), skip_bad, device, memory_format, (3, img_size, img_size))
+
+
+def default_workers(num_workers: Optional[int], device: torch.device) -> int:
+    return num_workers if num_workers is not None else (4 if device.type == "cuda" else 0)
+
+
+def train_loader(dataset: Dataset, sampler: Optional[Sampler[int]] = None, *, batch_size: int,
+                 num_workers: int = 0, device: torch.device = torch.device("cpu"),
+                 memory_format: torch.memory_format = torch.contiguous_format,
+                 img_size: int = 0, seed: int = 0, skip_bad: bool = False) -> CheckedLoader:
+    """Batches in ``sampler``'s order (None: one process's, seeded by ``seed``) with its
+    flips, always full: an unreadable image is replaced by the next readable one
+    (:class:`NextReadable`)."""
+    sampler = ResumableSampler(sampler or one_process_sampler(len(dataset), seed), pairs=True)
+    return _loader(NextReadable(dataset), sampler, batch_size=batch_size,
+                   num_workers=num_workers, device=device, memory_format=memory_format,
+                   img_size=img_size, skip_bad=skip_bad, collate=collate_next_readable)
+
+
+def eval_loader(dataset: Dataset, info: DistInfo, *, batch_size: int, num_workers: int = 0,
+                memory_format: torch.memory_format = torch.contiguous_format, img_size: int = 0,
+                skip_bad: bool = False) -> CheckedLoader:
+    """This rank's shard of ``dataset`` (every world_size-th image), in order."""
+    return _loader(dataset, IndexSampler.shard(len(dataset), info.rank, info.world_size),
+                   batch_size=batch_size, num_workers=num_workers, device=info.device,
+                   memory_format=memory_format, img_size=img_size, skip_bad=skip_bad)

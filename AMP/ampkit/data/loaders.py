@@ -1,0 +1,97 @@
+"""The training and validation loaders, by the fast device path or the classic DataLoader.
+
+``build_loaders`` picks the path (``--loader auto``: fast for the data sets held whole on the
+device, CIFAR10 and FakeData; classic for ImageFolder). ``Loaders.train_loader(sampler)``
+yields the training batches in a sampler's order (a script's ``DistributedSampler``, or one
+process's); both paths' batches arrive on the device, and a resumed epoch starts at a batch
+of its own (``loader.start_at``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional, Sized, Tuple
+
+import torch
+from torch.utils.data import Sampler
+
+from ..device import DistInfo
+from ..errors import UserError
+from .classic import CheckedLoader, default_workers, eval_loader, train_loader
+from .datasets import NUM_CLASSES, Unreadable, build_datasets
+from .on_device import fast_loaders
+
+
+@dataclass
+class Loaders:
+    """A run's data: its validation loader, what its training sampler draws from
+    (``train_set``), and the training loader made for that sampler."""
+    name: str                   # --dataset
+    batch_size: int             # per process
+    train_set: Optional[Sized]  # what the training sampler draws from; None for eval
+    val: Iterable
+    num_classes: int
+    train_size: int
+    val_size: int
+    kind: str                   # "fast" or "classic"
+    make_train: Optional[Callable[[Sampler[int]], Iterable]] = None
+    image_shape: Tuple[int, ...] = ()  # (3, --img_size, --img_size)
+    train: Optional[Iterable] = field(default=None, init=False)
+
+    def train_loader(self, sampler: Sampler[int]) -> Iterable:
+        """The training batches, in ``sampler``'s order, on the device."""
+        self.train = self.make_train(sampler)
+        return self.train
+
+    def take_unreadable(self) -> List[Unreadable]:
+        """The images the loaders left out since the last call (--skip_bad_images)."""
+        taken = []
+        for loader in (self.train, self.val):
+            if isinstance(loader, CheckedLoader):
+                taken, loader.unreadable = taken + loader.unreadable, []
+        return taken
+
+
+def build_loaders(name: str, root: Path, img_size: int, batch_size: int, info: DistInfo, *,
+                  loader: str = "auto", num_workers: Optional[int] = None,
+                  channels_last: bool = False, train: bool = True,
+                  skip_bad: bool = False) -> Loaders:
+    """The validation loader and (unless ``train=False``) the training set, fast or classic;
+    CIFAR-10 downloaded by local rank 0 (the caller runs it first: ``local_main_first``)."""
+    kind = ("fast" if name in NUM_CLASSES else "classic") if loader == "auto" else loader
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    if kind == "fast":
+        train_set, val_dl, num_classes = fast_loaders(name, root, img_size, batch_size, info,
+                                                      channels_last=channels_last, train=train)
+        make_train = train_set.loader if train else None
+        val_size = val_dl.dataset_size
+    else:
+        data = build_datasets(name, root, img_size, download=info.is_local_main, train=train)
+        workers = default_workers(num_workers, info.device)
+        train_set, num_classes, val_size = data.train, data.num_classes, len(data.val)
+        val_dl = eval_loader(data.val, info, batch_size=batch_size, num_workers=workers,
+                             memory_format=memory_format, img_size=img_size, skip_bad=skip_bad)
+
+        def make_train(sampler):
+            return train_loader(train_set, sampler, batch_size=batch_size, num_workers=workers,
+                                device=info.device, memory_format=memory_format,
+                                img_size=img_size, skip_bad=skip_bad)
+    train_size = len(train_set) if train else 0
+    if (train and train_size == 0) or val_size == 0:
+        raise UserError(f"{root}: the data set has no images"
+                        + ("" if val_size else " in its validation/test split"))
+    if train and num_classes < 2:
+        raise UserError(f"{root}: {num_classes} class: a classifier needs at least 2 classes "
+                        "(one folder per class under train/ and val/)")
+    return Loaders(name, batch_size, train_set, val_dl, num_classes, train_size, val_size, kind,
+                   make_train if train else None, (3, img_size, img_size))
+
+
+def report_unreadable(say: Callable[[str], None], unreadable: List[Unreadable]) -> int:
+    """--skip_bad_images: name the images the loaders left out (every rank's, gathered from
+    their ``Loaders.take_unreadable``); how many."""
+    if unreadable:
+        more = f"; and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
+        say(f"skipped {len(unreadable)} unreadable image(s) this epoch: "
+            + "; ".join(str(u) for u in unreadable[:5]) + more)
+    return len(unreadable)

@@ -1,0 +1,54 @@
+"""Traces of a few training steps (``--profile``, benchmark.py): ``torch.profiler`` after a
+warm-up, a Chrome trace per rank (https://ui.perfetto.dev), and the operators that took the
+most time."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+
+class StepProfiler:
+    """``torch.profiler`` over training steps: ``wait`` steps skipped, ``warmup`` recorded and
+    dropped (the profiler's own start-up), ``active`` recorded; then the Chrome trace is
+    written to ``path`` and ``table`` holds the top operators by self time; ``say`` prints
+    :meth:`report` at the end."""
+
+    def __init__(self, path: Path, device: torch.device, wait: int = 1, warmup: int = 1,
+                 active: int = 3, say: Optional[Callable[[str], None]] = None) -> None:
+        self.say = say
+        self.path, self.cuda, self.needed, self.table = Path(path), device.type == "cuda", \
+            wait + warmup + active, ""
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        # One recording cycle: acc_events changes nothing but the warning torch 2.11 gives.
+        self.prof = profile(activities=activities, on_trace_ready=self._ready, acc_events=True,
+                            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1))
+
+    def _ready(self, prof) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.path))
+        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        self.table = prof.key_averages().table(sort_by=sort, row_limit=12)
+
+    def __enter__(self) -> "StepProfiler":
+        self.prof.start()
+        return self
+
+    def step(self) -> None:
+        self.prof.step()
+
+    def __exit__(self, *exc) -> None:
+        self.prof.stop()
+        if self.say is not None and exc[0] is None:
+            self.say(self.report())
+
+    def report(self) -> str:
+        """What to print once the steps are over."""
+        if not self.table:
+            return (f"--profile: fewer than the {self.needed} steps it records "
+                    "(1 skipped, 1 warm-up, 3 traced): no trace written (more steps: a "
+                    "smaller --batch_size)")
+        return (f"{self.table}\ntrace: {self.path} (open it in https://ui.perfetto.dev or "
+                "chrome://tracing)")

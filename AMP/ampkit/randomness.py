@@ -1,0 +1,57 @@
+"""The run's random streams: the same initial weights on every rank for any world size, then
+each rank's own streams (dropout, the classic path's flips); seeds derived per rank, epoch
+or device; and a rank's streams as a checkpoint keeps them and a resume puts them back, so
+that a resumed run draws what the stopped run would have drawn.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+
+def derived_seed(seed: int, *parts: int) -> int:
+    """A 63-bit seed mixing ``seed`` with ``parts`` (a rank, an epoch, a device): distinct,
+    reproducible streams for each."""
+    state = np.random.SeedSequence([seed % 2**64, *parts]).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+def seed_streams(seed: int, rank: int, cuda: bool) -> None:
+    """After the model is built from ``seed`` (the same weights on every rank, for any world
+    size): this rank's own random streams, for dropout and the classic path's flips. With
+    ``cuda``, each visible GPU gets a stream of its own too: ``torch.manual_seed`` gives
+    every GPU the same one, so DataParallel's replicas would draw the same dropout masks on
+    their chunks of the batch."""
+    torch.manual_seed(derived_seed(seed, 1, rank))
+    if cuda:
+        torch.cuda.init()  # the generators exist once CUDA is initialised (no context yet)
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.default_generators[index].manual_seed(derived_seed(seed, 2, rank, index))
+
+
+def random_state(device: torch.device) -> dict:
+    """This process's streams: the CPU's, and each visible GPU's on CUDA."""
+    cuda = device.type == "cuda"
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if cuda else None}
+
+
+def restore_random_state(saved: Any, rank: int, world_size: int, device: torch.device) -> str:
+    """This rank's saved streams back (``saved``: one entry per rank; an older checkpoint's
+    dict: rank 0's alone). "" when restored; else what the streams are instead, in words."""
+    if isinstance(saved, dict):  # written before every rank's streams were saved
+        saved = [saved] if world_size == 1 else None
+    if not isinstance(saved, list) or len(saved) != world_size:
+        return (f"the random streams (dropout) start anew from --seed: the checkpoint holds "
+                f"{len(saved) if isinstance(saved, list) else 'no'} rank's streams, this run "
+                f"has {world_size} processes")
+    mine = saved[rank]
+    torch.set_rng_state(mine["torch"])
+    cuda: Optional[Any] = mine.get("cuda")
+    if device.type == "cuda" and cuda is not None:
+        cuda = cuda if isinstance(cuda, list) else [cuda]  # older: this device's alone
+        for index, state in enumerate(cuda[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, index)
+    return ""
