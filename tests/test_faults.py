@@ -443,6 +443,28 @@ def test_resume_of_a_missing_file_names_the_flag(imagefolder_root, tmp_path, cap
     assert line.split("error: ", 1)[1].startswith("--resume /nonexistent.pth"), line
 
 
+@pytest.mark.parametrize("script, flags, says", [
+    ("train_without", ["--amp_dtype", "float16"], "train_without trains in fp32"),
+    ("train_DP", ["--amp_dtype", "bfloat16"], "train_DP trains in fp32"),
+    ("train_DDP", ["--amp_dtype", "bfloat16"], "train_DDP trains in fp32"),
+    ("train_FSDP", ["--amp_dtype", "bfloat16"], "train_FSDP trains in fp32"),
+    ("train_without", ["--dp_scope", "features"], "what DataParallel replicates"),
+    ("train_DDP_autocast", ["--dp_scope", "model"], "what DataParallel replicates"),
+    ("train_DP_autocast", ["--compile"], "not DataParallel"),
+    ("eval_without", ["--amp_dtype", "bfloat16"], "give --autocast too"),
+])
+def test_a_flag_the_script_does_not_honour_is_refused_in_one_line(script, flags, says,
+                                                                 imagefolder_root, tmp_path,
+                                                                 capsys):
+    """The same rule in every script: a technique's flag is refused by the scripts of
+    another, before anything runs, instead of being accepted and ignored."""
+    argv = (_args(imagefolder_root, tmp_path / "ckpt", *flags) if script.startswith("train")
+            else ["--checkpoint", str(tmp_path), "--no-cuda", *flags])
+    code, out, err = _main(script, argv, capsys)
+    assert code == 2 and says in _one_line(code, err), err
+    assert not (tmp_path / "ckpt").exists()
+
+
 # ------------------------------------------------------------------ 10: eval on other data
 def test_eval_says_what_the_checkpoint_was_trained_on(imagefolder_root, tmp_path, capsys):
     run_dir = _first_run(imagefolder_root, tmp_path, capsys)

@@ -214,7 +214,7 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
     if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad > 0):
         raise UserError(f"--clip_grad must be a positive number, got {args.clip_grad}")
     check_wire_flags(args, given)
-    check_dp_scope(args.arch, args.dp_scope)
+    check_technique_flags(args, given)
     if args.resume and args.init_from:
         raise UserError("--resume continues a run, --init_from starts a new one from a "
                         "checkpoint's weights: give one of them")
@@ -223,10 +223,31 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
 
 def parse_eval_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Optional[str] = None,
                     process_group: bool = False) -> argparse.Namespace:
-    args = eval_parser(variant, process_group, doc).parse_args(
-        sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = eval_parser(variant, process_group, doc).parse_args(argv)
     _check_common(args)
+    if "amp_dtype" in given_flags(eval_parser(variant, process_group, doc), argv) and \
+            not args.autocast:
+        raise UserError("--amp_dtype is the dtype of --autocast: give --autocast too (without "
+                        "it the evaluation runs in fp32)")
     return args
+
+
+def check_technique_flags(args: argparse.Namespace, given: frozenset) -> None:
+    """The flags of one technique, refused by the scripts of another, where they would do
+    nothing (``given``: the flags the command line gave)."""
+    variant = args.variant
+    dp = variant.startswith("train_DP") and not variant.startswith("train_DDP")
+    if "amp_dtype" in given and not variant.endswith(("autocast", "GradScaler", "mixed")):
+        raise UserError(f"--amp_dtype is the low-precision dtype of the autocast, GradScaler "
+                        f"and FSDP2 mixed scripts; {variant} trains in fp32")
+    if "dp_scope" in given and not dp:
+        raise UserError(f"--dp_scope chooses what DataParallel replicates (train_DP*.py), not "
+                        f"{variant}")
+    if args.compile and dp:
+        raise UserError("--compile is supported for single-device, DDP and FSDP2 runs, not "
+                        "DataParallel")
+    check_dp_scope(args.arch, args.dp_scope)
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozenset:
@@ -257,7 +278,7 @@ def add_wire_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reduce_dtype", choices=REDUCE_DTYPES, default="float32",
                    help="train_FSDP_mixed.py: the dtype FSDP2 reduce-scatters the gradients "
                         "in (MixedPrecisionPolicy; with --accum_steps also the dtype they "
-                        "accumulate in)")
+                        "accumulate in); float16 brings a GradScaler, as float16 parameters do")
 
 
 def check_wire_flags(args: argparse.Namespace, given: frozenset) -> None:
