@@ -592,6 +592,26 @@ def test_a_script_with_flags_of_its_own_is_a_variant_against_its_plain_runs(
     assert "-0.0500 ±" in line and "beyond seed noise" in line, line
 
 
+def test_a_labelled_variant_inherits_its_scripts_flags(tmp_path, monkeypatch, capsys):
+    """``SCRIPT+LABEL`` is SCRIPT's run plus one change: SCRIPT's own --extra_args come first,
+    then the label's, so its verdict against SCRIPT measures the label's change alone; and
+    --amp_dtype reaches only the scripts that compute in low precision (the fp32 ones refuse
+    it)."""
+    import compare
+
+    plain, hooked = "train_DDP_GradScaler", "train_DDP_GradScaler+bf16comm"
+    accs = {(v, 0): 0.5 for v in (plain, hooked, "train_without")}
+    commands = _fake_children(monkeypatch, accs)
+    assert compare.main(["--variants", f"train_without,{plain},{hooked}",
+                         "--extra_args", f"{plain}=--accum_steps 2",
+                         "--extra_args", f"{hooked}=--comm_hook bf16", "--amp_dtype", "bfloat16",
+                         "--no-cuda", "--no-tensorboard", "--out", str(tmp_path)]) == 0
+    without, plain_run, hooked_run = [c for c in commands if "--epochs" in c]
+    assert plain_run[-2:] == ["--accum_steps", "2"]
+    assert hooked_run[-4:] == ["--accum_steps", "2", "--comm_hook", "bf16"]
+    assert "--amp_dtype" not in without and "bfloat16" in plain_run
+
+
 @pytest.mark.parametrize("variants, extra, says", [
     ("train_DDP+bf16comm", [], "no --extra_args 'train_DDP+bf16comm=FLAGS'"),
     ("train_DDP+a/b", ["--extra_args", "train_DDP+a/b=--comm_hook bf16"], "a label of letters"),

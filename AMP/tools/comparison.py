@@ -117,11 +117,13 @@ class Comparison:
         cmd = self._launcher(parallel, script_of(variant)) + self._common() + [
             "--epochs", str(a.epochs), "--lr", repr(a.lr), "--seed", str(seed),
             "--checkpoint", str(self.run_dir(variant, seed).parent)]
-        if a.amp_dtype is not None:
+        if a.amp_dtype is not None and precision != "fp32":  # the fp32 scripts refuse it
             cmd += ["--amp_dtype", a.amp_dtype]
         tb_root = self.under(self.tb_dir, seed) / (variant if "+" in variant else "")
         cmd += (["--tensorboard_log", str(tb_root)] if a.tensorboard else ["--no-tensorboard"])
-        return cmd + a.extra.get(None, []) + a.extra.get(variant, [])
+        # A SCRIPT+LABEL variant is SCRIPT's run plus its own flags: one change against it.
+        inherited = a.extra.get(script_of(variant), []) if "+" in variant else []
+        return cmd + a.extra.get(None, []) + inherited + a.extra.get(variant, [])
 
     def eval_cmd(self, variant: str, checkpoint: Path) -> List[str]:
         parallel, _ = TRAIN_VARIANTS[script_of(variant)]
