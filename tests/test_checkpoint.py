@@ -29,6 +29,23 @@ def test_atomic_save_with_spare_rotates_and_rewrites_in_place(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pth"]
 
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)])
+def test_checkpoints_follow_the_umask(umask, mode, tmp_path):
+    """A checkpoint's mode is what ``open()`` would give it under the umask (a teammate's
+    group can read a shared folder's last.pth), for a new file and for a rewritten spare."""
+    import os
+    import stat
+
+    before = os.umask(umask)
+    try:
+        path = tmp_path / "last.pth"
+        for step in range(3):  # a new file, then the spare made and rewritten
+            checkpoint_writer.atomic_save({"step": torch.tensor(step)}, path, spare=True)
+            assert stat.S_IMODE(path.stat().st_mode) == mode, (step, oct(path.stat().st_mode))
+    finally:
+        os.umask(before)
+
+
 def test_snapshot_reuses_its_buffers_and_is_independent_of_the_source():
     live = {"model": {"w": torch.ones(4)}, "optimizer": {"state": {0: {"m": torch.zeros(3)}},
                                                          "param_groups": [{"lr": 0.1}]}}

@@ -86,6 +86,7 @@ def test_stop_and_resume_ends_bit_for_bit_as_the_run_that_never_stopped(
     ckpt = tmp_path / "stopped"
     code, out, err = _run(mini_imagefolder_root, ckpt, stop_at_loss=stop_at_loss)
     assert code == 143 and f"stopped by SIGTERM {stopped}" in out, out + err
+    assert not list((ckpt / "train_without").glob(".*.spare"))  # the stop removed its spare
     code, out, err = _run(mini_imagefolder_root, ckpt, "--resume")
     assert code == 0 and "resumed from" in out, out + err
     got, rows = _final(ckpt)

@@ -102,8 +102,8 @@ class RunFolder:
     def end(self, meters, saver, vote: StopVote, log: RunLogger) -> None:
         """After the epochs: the last save written, the run's last vote (a signal during the
         last epoch's end), then the last line: the summary, or where a stop saved."""
+        saver.finish()  # the last save, which may still be in flight; no spare file left
         if saver.stopped_at is None and saver.resumed.epoch < saver.epochs:
-            saver.finish()  # the last save, which may still be in flight
             if vote.any_rank_asked():
                 saver.stopped_at = (saver.epochs, 0)
             log.print(summary_line(self.dir.name, saver.epochs, time.perf_counter() - self.t_start,

@@ -3,7 +3,8 @@ tensors to CPU memory, :class:`BackgroundWriter` writes the copies in a thread, 
 flight at a time, each file by :func:`atomic_save`.
 
 - A write goes to a temporary file beside the target, is fsync'ed and renamed over it: a
-  kill at any instant leaves the previous file or the new one.
+  kill at any instant leaves the previous file or the new one. The file's mode follows
+  the umask, as ``torch.save`` to a path would (a teammate's group may read it).
 - best.pth is a second name (a hard link) for the best epoch's last.pth (:class:`Link`).
 - The free space is checked as a save is submitted: a full disk is one line, at once.
 """
@@ -43,6 +44,7 @@ def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
         tmp, f = spare_path, open(spare_path, "r+b")
     else:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.fchmod(fd, 0o666 & ~_umask())  # as open() makes a file: mkstemp's is 0600
         tmp, f = Path(name), os.fdopen(fd, "wb")
     try:
         with f:
@@ -61,6 +63,20 @@ def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
             raise UserError(f"cannot save {path}: the write failed ({first_line(e)})") from None
         raise
     _fsync_folder(path.parent)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux's /proc), else by setting it
+    and back: a team's shared folder may grant its group what the user's umask grants."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _spare(path: Path) -> Path:  # the file a save with spare=True rewrites
