@@ -7,7 +7,8 @@ MixedPrecisionPolicy casts per block, not per operator as autocast does: FSDP2 c
 block's parameters to --amp_dtype as it gathers them (half the bytes moved) and the block
 computes in it; gradients are reduced in float32 (--reduce_dtype bfloat16: half the bytes),
 and the shards, AdamW and the loss stay float32 (as torchtitan trains).
-Pitfall: float16 still needs loss scaling (on for float16, off for bfloat16). Buffers are
+Pitfall: float16 still needs loss scaling, in the blocks or on the wire: the GradScaler is on
+for --amp_dtype float16 and for --reduce_dtype float16, off for bfloat16 alone. Buffers are
 not cast: networks with BatchNorm (float32 statistics) take train_FSDP_autocast.py.
 """
 import sys
@@ -48,8 +49,10 @@ def build(parts: Parts) -> Technique:
         param_dtype=dtype, reduce_dtype=reduce, output_dtype=torch.float32))
     criterion = parts.criterion
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
-    # float16 still needs loss scaling; bfloat16, with float32's range, does not.
-    scaler = torch.amp.GradScaler(parts.device.type, enabled=dtype == torch.float16)
+    # float16 needs loss scaling, in the blocks or on the wire (--reduce_dtype float16: the
+    # gradients are reduced, and added up, in it); bfloat16, with float32's range, does not.
+    scaler = torch.amp.GradScaler(parts.device.type,
+                                  enabled=torch.float16 in (dtype, reduce))
 
     def forward_backward(images, targets, weight):
         loss = criterion(model(images), targets) * weight

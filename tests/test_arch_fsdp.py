@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from conftest import (FSDP_ARCH, IF_VAL_SIZE, REPO_ROOT, as_a_dataparallel_replica,
-                      parse_accuracy, run_main, run_script, tiny_args)
+                      parse_accuracy, quick_flags, run_main, run_script, tiny_args)
 from helpers.processes import finish, kill_job, start, torchrun, wait_for
 
 CPU = torch.device("cpu")
@@ -39,6 +39,25 @@ def test_arch_list_prints_the_names(capsys):
     code, out, err = _main("train_without", ["--arch", "list"], capsys)
     names = out.split()
     assert code == 0 and {"alexnet", "resnet18", "vit_b_16", "efficientnet_b0"} <= set(names)
+
+
+def test_pretrained_without_a_network_is_one_line_naming_what_to_do(imagefolder_root,
+                                                                     tmp_path, monkeypatch):
+    """torchvision's weights download through torch.hub: without a network (or with a
+    broken file in its cache) the run ends in one line that says where the file goes."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise OSError("network disabled in tests")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    code, out, err = _main("train_without", quick_flags(imagefolder_root, tmp_path / "ckpt",
+                                                        "--pretrained"))
+    assert code == 2 and len(err) == 1, err
+    assert "--pretrained" in err[0] and str(tmp_path / "torch_home") in err[0] \
+        and "--init_from" in err[0], err
 
 
 def test_pretrained_head_is_resized_for_the_data_set():
@@ -160,6 +179,26 @@ def test_fsdp_precision_is_what_the_script_says(variant, gloo_of_one):
     assert out.dtype == (torch.float32 if variant.endswith("mixed") else torch.bfloat16)
     assert type(net.features[0].weight).__name__ == "DTensor"  # sharded
     assert next(iter(v.model.parameters())).dtype == torch.float32  # the shards stay fp32
+
+
+def test_fsdp_mixed_scales_the_loss_for_a_float16_reduce(gloo_of_one):
+    """--amp_dtype bfloat16 --reduce_dtype float16: the gradients are reduced (and added up)
+    in float16, where values under 6e-8 flush to zero; a GradScaler scales them first, so a
+    tiny loss still gives the optimizer its gradients (and its skips are counted)."""
+    import train_FSDP_mixed
+    from ampkit.technique import Parts
+
+    class TinyLoss(nn.CrossEntropyLoss):
+        def forward(self, outputs, targets):
+            return super().forward(outputs, targets) * 1e-9
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3))
+    t = train_FSDP_mixed.build(Parts(net, TinyLoss(), amp_dtype=torch.bfloat16,
+                                     reduce_dtype=torch.float16, lr=0.0))
+    assert t.scaler is not None and t.precision == "mixed"
+    _, norm = t.train_step([(torch.randn(4, 3, 2, 2), torch.tensor([0, 1, 2, 0]))])
+    assert 1e-11 < norm.item() < 1e-8  # unscaled, and not flushed to zero on the wire
 
 
 def test_fsdp_mixed_refuses_batchnorm_networks():

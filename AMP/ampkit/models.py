@@ -11,6 +11,7 @@ import functools
 import inspect
 import sys
 import warnings
+from pathlib import Path
 from typing import List, Optional
 
 import torch
@@ -93,7 +94,14 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False) -> nn.Mod
     if not pretrained:
         return torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
     weights = torchvision.models.get_model_weights(arch).DEFAULT  # downloaded via torch.hub
-    model = torchvision.models.get_model(arch, weights=weights, **kwargs)
+    try:
+        model = torchvision.models.get_model(arch, weights=weights, **kwargs)
+    except (OSError, RuntimeError) as e:  # no network (URLError), a broken or partial file
+        where = Path(torch.hub.get_dir()) / "checkpoints" / weights.url.rsplit("/", 1)[-1]
+        raise UserError(f"--pretrained: cannot get torchvision's {arch} weights "
+                        f"({(str(e).splitlines() or [type(e).__name__])[0][:120]}). Without a "
+                        f"network, put {weights.url} at {where} (TORCH_HOME moves it), or start "
+                        "from a checkpoint of your own with --init_from PATH") from None
     if num_classes != len(weights.meta["categories"]):
         _replace_head(model, num_classes)
     return model
