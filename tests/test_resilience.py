@@ -95,6 +95,49 @@ def test_sigkill_during_save_keeps_previous_checkpoint(imagefolder_root, tmp_pat
     assert not list(run_dir.glob(".*.tmp")), "stale temp files are cleaned up"
 
 
+def _best_matches_the_record(run_dir: Path) -> dict:
+    last, best = _load(run_dir / "last.pth"), _load(run_dir / "best.pth")
+    assert (best["epoch"], best["val_acc"]) == (last["best_epoch"], last["best_acc"])
+    return best
+
+
+@pytest.mark.slow
+def test_a_kill_between_last_and_best_is_repaired_by_resume(imagefolder_root, tmp_path):
+    """SIGKILL after last.pth (epoch 1, its record: best epoch 1) and before best.pth is
+    made its second name: the resume, even one with nothing left to train, makes best.pth
+    the epoch last.pth records, and says so."""
+    ckpt = tmp_path / "ckpt"
+    run_dir = ckpt / "train_without"
+    rc, out, err = _run_faulty("train_without", *_tiny(imagefolder_root, ckpt, "--epochs", "1"),
+                               env={"FAULT_KILL_BEFORE_LINK": "1"})
+    assert rc == -signal.SIGKILL and "killed before link 1" in err, err
+    assert (run_dir / "last.pth").is_file() and not (run_dir / "best.pth").exists()
+    rc, out, err = run_main("train_without", *_tiny(imagefolder_root, ckpt, "--epochs", "1",
+                                                       "--resume"))
+    assert rc == 0 and "nothing to do" in out and "restored epoch 1" in out, out + err
+    _best_matches_the_record(run_dir)
+
+
+@pytest.mark.slow
+def test_a_kill_in_best_after_save_every_0_is_repaired_by_resume(imagefolder_root, tmp_path):
+    """--save_every 0 keeps the best epoch (1, with --lr 0 the only best) in memory; the run's
+    last save writes last.pth (epoch 2, carrying epoch 1's weights) and then best.pth, killed
+    half-way: the resume writes best.pth from last.pth, epoch 1's weights and record."""
+    ckpt = tmp_path / "ckpt"
+    run_dir = ckpt / "train_without"
+    flags = [*_tiny(imagefolder_root, ckpt, "--epochs", "2", "--save_every", "0", arch=None),
+             "--lr", "0"]
+    rc, out, err = _run_faulty("train_without", *flags, env={"FAULT_KILL_IN_SAVE": "2"})
+    assert rc == -signal.SIGKILL and "killed in save 2" in err, err
+    last = _load(run_dir / "last.pth")
+    assert (last["epoch"], last["best_epoch"]) == (2, 1) and not (run_dir / "best.pth").exists()
+    rc, out, err = run_main("train_without", *flags, "--resume")
+    assert rc == 0 and "restored epoch 1" in out, out + err
+    best = _best_matches_the_record(run_dir)
+    assert "optimizer" not in best and all(torch.equal(best["model"][k], last["best_model"][k])
+                                           for k in last["best_model"])
+
+
 @pytest.mark.slow
 def test_second_ctrl_c_during_a_save_ends_cleanly(imagefolder_root, tmp_path):
     """Ctrl-C stops after the step and saves; a second Ctrl-C while that save waits for a

@@ -8,6 +8,8 @@ Environment:
   FAULT_MARKER=PATH      ... and only once: the marker file records that it happened.
   FAULT_KILL_IN_SAVE=N   SIGKILL this process half-way through writing its N-th checkpoint file
                          (saying on stderr which thread was writing it).
+  FAULT_KILL_BEFORE_LINK=N  SIGKILL this process just before its N-th best.pth is made a second
+                         name for last.pth (last.pth written, best.pth not yet).
   FAULT_SLOW_SAVE=N      the N-th checkpoint file is written slowly (a slow disk): half of it,
                          then FAULT_MARKER is created, and the write goes on 60 s later.
   FAULT_SIGTERM_AT_LOSS=N  this process sends itself SIGTERM (FAULT_SIGNAL=SIGINT: Ctrl-C,
@@ -96,6 +98,21 @@ if kill_in_save or slow_save:
         return original_save(obj, f, *args, **kwargs)
 
     torch.save = save  # looked up by ampkit.checkpoint.writer.atomic_save at call time
+
+kill_before_link = int(os.environ.get("FAULT_KILL_BEFORE_LINK", "0"))
+if kill_before_link:
+    import ampkit.checkpoint.writer as writer
+
+    original_link, links = writer.link_or_write, []
+
+    def link_or_write(link):
+        links.append(link)
+        if len(links) == kill_before_link:
+            print(f"killed before link {len(links)}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_link(link)
+
+    writer.link_or_write = link_or_write  # looked up by the background writer at call time
 
 if __name__ == "__main__":
     exit_file = os.environ.get("FAULT_EXIT_FILE")

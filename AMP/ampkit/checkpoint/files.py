@@ -24,6 +24,15 @@ from ..errors import UserError, first_line
 LAST, BEST = "last.pth", "best.pth"
 
 
+# What only resuming needs: last.pth has it, best.pth (weights and metadata) does not.
+RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng", "epoch_so_far", "best_model")
+
+
+def weights_of(state: Dict[str, Any]) -> Dict[str, Any]:
+    """A checkpoint's weights and metadata, without what only resuming needs."""
+    return {k: x for k, x in state.items() if k not in RESUME_ONLY}
+
+
 def args_to_plain(args) -> dict:
     """The run's flags (an argparse Namespace) as plain data (str/int/float/bool/None): safe
     to store in a checkpoint, and to compare with a resumed run's."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -24,10 +25,11 @@ from torch import nn
 from ..distributed import agree_on_resumed, gather_from_ranks, load_optimizer_state
 from ..device import DistInfo
 from ..errors import UserError
-from ..technique import DEFAULT_LR
 from ..randomness import restore_random_state
+from ..technique import DEFAULT_LR
 from . import files as checkpoint_files
 from .files import plain
+from .writer import Link, atomic_save, link_or_write
 
 
 def resume_path(resume_flag: Optional[str], run_dir: Path) -> Optional[Path]:
@@ -142,6 +144,7 @@ class Resumed:
     identity: Optional[Tuple[int, str]] = None  # of the bytes loaded (checkpoint.identity)
     so_far: Optional[Dict[str, Any]] = None  # a stopped epoch's figures up to its stop
     streams: str = ""  # how this rank's random streams go on, when not as they were saved
+    repaired: str = ""  # what was done to best.pth, to match the record (repair_best)
 
     @property
     def loaded(self) -> Optional[Dict[str, Any]]:
@@ -159,10 +162,12 @@ class Resumed:
         return self.so_far if epoch == self.epoch else None
 
 
-def load_resume(path: Path, args, network: nn.Module, info: DistInfo) -> Resumed:
+def load_resume(path: Path, args, network: nn.Module, info: DistInfo,
+                run_dir: Optional[Path] = None) -> Resumed:
     """Check ``path`` against this run (``args``: its flags), load its weights into the bare
     ``network`` and this rank's random streams (dropout's, per GPU too), so that it goes on
-    drawing where the stopped run was."""
+    drawing where the stopped run was. ``path`` is ``run_dir``'s last.pth: rank 0 makes its
+    best.pth hold the record's best epoch (:func:`repair_best`)."""
     state, identity = checkpoint_files.load_with_identity(path, map_location="cpu")
     if "optimizer" not in state:
         raise UserError(f"{path}: holds weights only (no optimizer state); cannot resume "
@@ -174,10 +179,52 @@ def load_resume(path: Path, args, network: nn.Module, info: DistInfo) -> Resumed
                         f"--init_from {path}")
     checkpoint_files.load_weights(network, state, path)
     streams = restore_random_state(state.get("rng"), info.rank, info.world_size, info.device)
+    repaired = ""
+    if info.is_main and run_dir is not None and \
+            Path(path).resolve() == (run_dir / checkpoint_files.LAST).resolve():
+        repaired = repair_best(Path(path), state)
     return Resumed(path, int(state["epoch"]), int(state.get("step", 0)),
                    float(state.get("best_acc", -1.0)), int(state.get("best_epoch", -1)),
                    {k: state.get(k) for k in ("optimizer", "scheduler", "scaler", "comm_hook")},
-                   state.get("args") or {}, identity, state.get("epoch_so_far"), streams)
+                   state.get("args") or {}, identity, state.get("epoch_so_far"), streams,
+                   repaired)
+
+
+def repair_best(last: Path, state: Dict[str, Any]) -> str:
+    """best.pth beside ``last`` made to hold the best epoch that last.pth's record names
+    (``state``: last.pth's, loaded), where a kill between the two files, or a full disk at
+    best.pth's write, left it behind or missing: a second name for last.pth when that is
+    the best epoch, else written from the weights last.pth carries (``best_model``). What
+    was done, in words ("" for nothing)."""
+    epoch, acc = int(state.get("best_epoch", -1)), float(state.get("best_acc", -1.0))
+    best = last.with_name(checkpoint_files.BEST)
+    held = _record_of(best)
+    if epoch < 1 or held == (epoch, acc):
+        return ""
+    if int(state["epoch"]) == epoch and not state.get("step"):
+        link_or_write(Link(last, best, fallback=checkpoint_files.weights_of(state)))
+    elif isinstance(state.get("best_model"), dict):
+        atomic_save(checkpoint_files.weights_of(state) | {
+            "model": state["best_model"], "epoch": epoch, "step": 0, "val_acc": acc}, best)
+    else:
+        return (f"{best} holds {_held(held)}, not the best epoch last.pth records (epoch "
+                f"{epoch}, val_acc {acc:.4f}), whose weights no file holds: left as it is")
+    return f"{best} held {_held(held)}: restored epoch {epoch} (val_acc {acc:.4f}) from {last}"
+
+
+def _record_of(best: Path) -> Optional[Tuple[int, float]]:
+    """(epoch, val_acc) of the checkpoint at ``best``; None if there is none to read."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = torch.load(best, map_location="cpu", weights_only=True, mmap=True)
+        return int(state["epoch"]), float(state["val_acc"])
+    except Exception:  # missing, truncated, not a checkpoint: nothing that names an epoch
+        return None
+
+
+def _held(record: Optional[Tuple[int, float]]) -> str:
+    return "nothing" if record is None else f"epoch {record[0]} (val_acc {record[1]:.4f})"
 
 
 def resume(resume_flag: Optional[str], run_dir: Path, network: nn.Module, info: DistInfo, *,
@@ -192,7 +239,7 @@ def resume(resume_flag: Optional[str], run_dir: Path, network: nn.Module, info: 
     resumed, failed = Resumed(), None
     try:
         if path is not None:
-            resumed = load_resume(path, args, network, info)
+            resumed = load_resume(path, args, network, info, run_dir)
     except UserError as e:  # this rank's: every rank stops, in one line
         failed = str(e)
     agree_on_resumed(failed or resumed.loaded, info)
@@ -258,10 +305,12 @@ def start_message(resumed: Resumed, variant: str, epochs: int, init_from: Option
     run."""
     if resumed.path is not None and resumed.epoch >= epochs:
         return (f"{variant}: {resumed.path} has already trained {resumed.epoch} of "
-                f"--epochs {epochs}; nothing to do (raise --epochs to train on)")
+                f"--epochs {epochs}; nothing to do (raise --epochs to train on)"
+                + (f"\n{resumed.repaired}" if resumed.repaired else ""))
     if resumed.path is not None:
         return (f"resumed from {resumed.path}: epoch {resumed.epoch + 1}, step {resumed.step}"
                 + (f"; {resumed.streams}" if resumed.streams else "")
+                + (f"\n{resumed.repaired}" if resumed.repaired else "")
                 + (f"\n{changed}" if changed else ""))
     if init_from is not None:
         return f"starting from the weights of {init_from} (epoch 1, a new optimizer)"

@@ -9,7 +9,10 @@ the checkpoint's content.
   last.pth is written for (every epoch by default), best.pth is a second name for that
   very file (a hard link: nothing more is written, and it holds the full state); a best
   epoch between two saves of last.pth waits in memory, weights and metadata, and is
-  written after the next one. There is never a best.pth without a last.pth to resume from.
+  written after the next one, whose last.pth carries its weights too (``best_model``).
+  There is never a best.pth without a last.pth to resume from, and last.pth always holds
+  what its record's best epoch needs: a kill between the two files, or a full disk at
+  best.pth's, is repaired by the next ``--resume`` (:func:`.resume.repair_best`).
 - Every rank makes the state (FSDP2 gathers it) and calls every method of :class:`Saver`
   in the same order (the save's time and the random streams are agreed and gathered);
   global rank 0 alone writes, in the background (:mod:`.writer`).
@@ -29,12 +32,10 @@ from ..distributed import any_rank, rank_random_states
 from ..errors import Interrupted
 from ..flags import parse_interval
 from . import files as checkpoint_files
-from .files import args_to_plain
+from .files import args_to_plain, weights_of
 from .resume import Resumed
 from .writer import BackgroundWriter, Link, Snapshot, remove_spares, remove_stale_temps
 
-# What only resuming needs: last.pth has it, best.pth (weights and metadata) does not.
-RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng", "epoch_so_far")
 
 
 def checkpoint_state(saved: Dict[str, Any], args, info: DistInfo, counters: Dict[str, Any],
@@ -105,13 +106,16 @@ class SavePolicy:
         if not self.info.is_main:
             return {}
         if is_best and not due:  # kept in memory until the next save of last.pth
-            self.pending_best = self.snapshots["best"].take(_weights(state))
+            self.pending_best = self.snapshots["best"].take(weights_of(state))
         if due:  # last.pth first: a best.pth never stands without a last.pth to resume from
             last, best = self.run_dir / checkpoint_files.LAST, self.run_dir / checkpoint_files.BEST
             files = [(self.snapshots["last"].take(state), last)]
             if is_best:  # best.pth: a second name for this very file, nothing more written
-                files.append(Link(last, best, fallback=_weights(files[0][0])))
+                files.append(Link(last, best, fallback=weights_of(files[0][0])))
             elif self.pending_best is not None:
+                # last.pth first, with the best epoch's weights, which a resume rebuilds
+                # best.pth from should the process die before best.pth is written.
+                files[0][0]["best_model"] = self.pending_best["model"]
                 files.append((self.pending_best, best))
             self.pending_best = None
             self.writer.submit(files, _describe(epoch, step))
@@ -145,11 +149,6 @@ class SavePolicy:
                     + f"; the save of {self.writing} was cut short and not kept", True)
         return (f"{path} holds {holds}; nothing after it was saved" if holds
                 else "nothing was saved"), False
-
-
-def _weights(state: Dict[str, Any]) -> Dict[str, Any]:
-    """A checkpoint's weights and metadata, without what only resuming needs."""
-    return {k: x for k, x in state.items() if k not in RESUME_ONLY}
 
 
 def _describe(epoch: int, step: int) -> str:
