@@ -41,6 +41,9 @@ def build(parts: Parts) -> Technique:
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
     autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
     scaler = torch.amp.GradScaler(parts.device.type)
+    # The buckets carry scaled gradients: PowerSGD's error feedback follows the scale
+    # (rescaled as it grows, dropped after a skipped step).
+    parts.comm_hook.follow_scale(scaler)
 
     def forward_backward(images, targets, weight):
         with autocast:

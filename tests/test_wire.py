@@ -67,6 +67,22 @@ def test_powersgd_counts_its_bytes_and_a_resume_says_what_restarts(imagefolder_r
     assert _rows(run_dir)[-1]["wire_mb_per_step"] == pytest.approx(params_mb)
 
 
+def test_powersgd_keeps_its_warm_up_when_a_resume_trains_longer():
+    """The default warm-up is 10 % of the run's optimizer steps: a resume with more --epochs
+    keeps the saved one (else a compressed run would go back to plain all-reduce), and says
+    so; one given by --powersgd_start_iter is this run's, which the changed-flags line names."""
+    from ampkit.comm_hooks import CommHook
+
+    saved = CommHook("powersgd", run_steps=30).state_dict()  # warm-up: 3 steps
+    saved["iter"] = 5  # compressing already
+    longer = CommHook("powersgd", run_steps=900)  # its own default: 90
+    said = longer.load_state_dict(saved)
+    assert longer.state.start_powerSGD_iter == 3 and "warm-up ends at step 3, as saved" in said
+    given = CommHook("powersgd", start_iter=50, run_steps=900)
+    assert "ends at step 50" in given.load_state_dict(saved)
+    assert given.state.start_powerSGD_iter == 50
+
+
 @pytest.mark.slow
 def test_hooks_at_three_processes_match_fp32_reduce_once_a_step_and_survive_an_overflow():
     res = run(torchrun("--standalone", "--nproc_per_node=3", "tests/helpers/wire_check.py"),

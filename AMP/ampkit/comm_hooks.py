@@ -12,7 +12,9 @@ step, on the summed gradients.
   float32's range and 8 bits of mantissa.
 - ``powersgd``: each matrix's gradient sent as its rank-r factors P and Q (Vogels et al.,
   2019), with error feedback (what the factors missed is added to the next step's gradient)
-  and a plain all-reduce for the first ``start_powerSGD_iter`` steps.
+  and a plain all-reduce for the first ``start_powerSGD_iter`` steps (saved with the hook's
+  state: a resume with more epochs keeps it). Under a GradScaler the feedback follows the
+  scale (:meth:`CommHook.follow_scale`).
 
 The bytes are counted as each bucket goes: the tensor the hook all-reduces, or, for PowerSGD
 after its warm-up, the elements it counts itself. The hooks hold no collective of their own
@@ -41,11 +43,21 @@ class CommHook:
         ``run_steps`` optimizer steps, at least 2) tune PowerSGD."""
         self.name, self.bytes_sent, self.rounds = name, 0, 0
         self._previous = None  # PowerSGD: the last bucket's future
+        self._scaler, self._scale_then = None, None  # follow_scale's
+        self._start_given = start_iter is not None  # --powersgd_start_iter, not the default
         self.state = None  # PyTorch's hooks take the process group: None is the default one
         if name == "powersgd":  # the same seed on every rank: the same random start for Q
             self.state = psgd.PowerSGDState(
                 None, matrix_approximation_rank=powersgd_rank or 1, random_seed=seed,
                 start_powerSGD_iter=start_iter or default_start_iter(run_steps))
+
+    def follow_scale(self, scaler: Optional[torch.amp.GradScaler]) -> None:
+        """Under a GradScaler the buckets hold scaled gradients, and PowerSGD's error feedback
+        (what the factors missed, added to the next step's bucket) would be kept in the units
+        of the scale it was made at. Followed, it is rescaled when the scale grows, and
+        dropped after a skipped step (the scale then falls), whose gradients were never
+        applied: the feedback stays in step with what the optimizer gets."""
+        self._scaler = scaler if scaler is not None and scaler.is_enabled() else None
 
     def reset_counts(self) -> None:
         self.bytes_sent, self.rounds = 0, 0
@@ -75,6 +87,8 @@ class CommHook:
             # an order that differs between the ranks. One bucket at a time keeps it.
             self._previous.wait()  # on a GPU the stream waits, not the host
         index, counted = bucket.index(), state.total_numel_after_compression
+        if index == 0 and self._scaler is not None:
+            self._rescale_memory(state)
         memory = state.error_dict.get(index)
         if memory is not None and memory.numel() != bucket.buffer().numel():
             # DDP re-makes its buckets after a process's first step: a resumed run that
@@ -105,6 +119,19 @@ class CommHook:
         self._previous = future.then(keep_memory_finite)
         return self._previous
 
+    def _rescale_memory(self, state: psgd.PowerSGDState) -> None:
+        """At a step's first bucket: every bucket's error feedback, made at the previous
+        step's scale, brought to this step's (x2 after a growth), or zero after a skip (the
+        scale halved). On the device, no host sync (GradScaler's private ``_scale`` is the
+        tensor its public ``get_scale()`` reads back to the host)."""
+        now = self._scaler._scale
+        if self._scale_then is not None and state.error_dict:
+            factor = torch.where(now < self._scale_then, torch.zeros_like(now),
+                                 now / self._scale_then)
+            for memory in state.error_dict.values():
+                memory.mul_(factor.to(memory.dtype))
+        self._scale_then = now.clone()
+
     def per_step(self) -> dict:
         """The epoch's figures for its log row: MB this rank sent per all-reduce round (one
         round an optimizer step); {} where no hook ran (not a DDP script)."""
@@ -126,8 +153,12 @@ class CommHook:
         return None
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps: PowerSGD's step count (its warm-up goes on where it was)."""
-        return {"name": self.name, "iter": self.state.iter if self.name == "powersgd" else 0}
+        """What a checkpoint keeps: PowerSGD's step count and the step its warm-up ends at
+        (a resume goes on where it was)."""
+        if self.name != "powersgd":
+            return {"name": self.name, "iter": 0}
+        return {"name": self.name, "iter": self.state.iter,
+                "start_iter": self.state.start_powerSGD_iter}
 
     def load_state_dict(self, saved: Optional[dict]) -> str:
         """A saved hook's state back; what restarts, in words ("" for nothing)."""
@@ -137,8 +168,16 @@ class CommHook:
             return (f"PowerSGD starts anew: its warm-up of {self.state.start_powerSGD_iter} "
                     f"plain all-reduce steps first")
         self.state.iter = int(saved["iter"])
-        return ("PowerSGD's error feedback and warm start restart from zero (not saved: a "
+        said = ("PowerSGD's error feedback and warm start restart from zero (not saved: a "
                 f"full gradient per rank); its step count goes on at {self.state.iter}")
+        saved_start = saved.get("start_iter")
+        if saved_start is None or saved_start == self.state.start_powerSGD_iter:
+            return said
+        if self._start_given:  # the changed-flags line says --powersgd_start_iter moved
+            return said + f"; its warm-up ends at step {self.state.start_powerSGD_iter}"
+        # The default is 10 % of the run's steps: more --epochs would move it.
+        self.state.start_powerSGD_iter = int(saved_start)
+        return said + f"; its warm-up ends at step {saved_start}, as saved"
 
 
 def default_start_iter(total_steps: int) -> int:

@@ -12,10 +12,16 @@ and 2 on the others), through the scripts' own build():
 - with powersgd (rank 1, warm-up of 2 steps) under train_DDP_GradScaler.py, a step whose
   input holds an inf (an overflow on every rank's gradients) is skipped, and every later
   step trains: none skipped, finite losses, PowerSGD's error feedback and Q finite;
+- PowerSGD's error feedback under a changing scale (a small network of two buckets, lr 0
+  and one window every step, so the true gradient is the same at every step): the
+  gradients applied are the same whether the scale stays or doubles at every step, and
+  after an overflow in one bucket on a step of another batch their running mean tracks
+  the fp32 all-reduce's gradient as closely as before it;
 - train_FSDP_mixed.py (a small network without BatchNorm) with --reduce_dtype bfloat16 /
   float16, over 3 micro-batches of the same (the
-  micro-batches' gradients add up in that dtype): every gradient after the step is a value
-  of the reduce dtype (what crossed the wire), and the float32 reduce's to its precision.
+  micro-batches' gradients add up in that dtype): every gradient after the step (float16:
+  scaled back by the GradScaler it brings) is a value of the reduce dtype (what crossed the
+  wire), and the float32 reduce's to its precision.
 Prints the figures; exits 1 on a mismatch.
 """
 import copy
@@ -101,6 +107,53 @@ if skipped.count.item() != 1 or not all(map(torch.isfinite, torch.tensor(after))
     failures.append("powersgd")
 
 
+# PowerSGD's error feedback, followed through a changing scale. Two DDP buckets (the last
+# linear layers fill the first, 1 MB); lr 0 and no dropout: the true gradient is the same at
+# every step. Step OVERFLOW trains on another batch (x50, other labels) whose first conv
+# weight's gradient is inf on rank 0: the step is skipped, and what its finite bucket left
+# in the error feedback was never applied.
+torch.manual_seed(0)
+two_buckets = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(),
+                                          nn.Conv2d(8, 16, 3, stride=2), nn.ReLU()),
+                            nn.Flatten(), nn.Sequential(nn.Linear(16 * 15 * 15, 96), nn.ReLU(),
+                                                        nn.Linear(96, 3)))
+other = [(50 * x, (y + 1) % 3) for x, y in window]
+STEPS, OVERFLOW = 24, 10
+
+
+def applied_gradients(name: str, growth_interval: int) -> torch.Tensor:
+    """The gradients the optimizer got, step by step (the skipped step's left out)."""
+    hook = CommHook(name, powersgd_rank=1, start_iter=2, seed=0)
+    t = train_DDP_GradScaler.build(Parts(copy.deepcopy(two_buckets), lr=0.0,
+                                         amp_dtype=torch.bfloat16, comm_hook=hook))
+    t.scaler.load_state_dict(t.scaler.state_dict() | {"growth_interval": growth_interval})
+    first, applied = next(t.model.parameters()), []
+    for step in range(STEPS):
+        poison = (first.register_hook(lambda g: torch.full_like(g, float("inf")))
+                  if step == OVERFLOW and rank == 0 else None)
+        t.train_step(other if step == OVERFLOW else window)
+        if poison is not None:
+            poison.remove()
+        grads = torch.cat([p.grad.flatten() for p in t.model.parameters()])
+        if torch.isfinite(grads).all() and step >= 2:  # compressed, and applied
+            applied.append(grads.clone())
+    return torch.stack(applied)
+
+
+true = applied_gradients("none", 2000)[0]
+steady, doubling = applied_gradients("powersgd", 2000), applied_gradients("powersgd", 1)
+invariance = ((steady - doubling).norm(dim=1) / steady.norm(dim=1)).max().item()
+means = torch.cumsum(doubling, 0) / torch.arange(1, len(doubling) + 1).view(-1, 1)
+tracking = ((means - true).norm(dim=1) / true.norm()).tolist()
+before = tracking[OVERFLOW - 3]  # the running mean just before the overflow
+lines.append(f"powersgd error feedback: steady scale vs doubling every step, largest relative "
+             f"difference {invariance:.1e}; running mean against the fp32 gradient "
+             f"{[round(e, 3) for e in tracking]} (the overflow after {OVERFLOW - 2})")
+if not invariance < 1e-4 or max(tracking[OVERFLOW - 2:]) > 1.5 * before \
+        or tracking[-1] > 1.1 * before:
+    failures.append("powersgd error feedback")
+
+
 torch.manual_seed(0)  # without BatchNorm, which train_FSDP_mixed.py leaves to autocast
 small = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(),
                                     nn.Conv2d(8, 16, 3, stride=2), nn.ReLU()),
@@ -113,13 +166,16 @@ def fsdp_step(reduce_dtype: torch.dtype) -> dict:
                                      nn.CrossEntropyLoss(), amp_dtype=torch.bfloat16,
                                      reduce_dtype=reduce_dtype))
     t.train_step(window[:3])  # as many micro-batches on every rank: each forward gathers
-    return {name: p.grad.full_tensor() for name, p in t.model.named_parameters()}
+    return {name: p.grad.full_tensor() for name, p in t.model.named_parameters()}, \
+        t.scaler.get_scale() if t.scaler is not None else 1.0
 
 
-want = fsdp_step(torch.float32)
+want, _ = fsdp_step(torch.float32)
 for dtype, tolerance in ((torch.bfloat16, 1.5e-2), (torch.float16, 2e-3)):
-    grads = fsdp_step(dtype)
-    of_dtype = all(bool((g.to(dtype).float() == g).all()) for g in grads.values())
+    grads, scale = fsdp_step(dtype)
+    # As they crossed the wire: float16 brings a GradScaler, whose unscale_ divided them.
+    of_dtype = all(bool(((g * scale).to(dtype).float() == g * scale).all())
+                   for g in grads.values())
     fp32_of_dtype = all(bool((g.to(dtype).float() == g).all()) for g in want.values())
     diff = worst(grads, want)
     lines.append(f"FSDP2 reduce {str(dtype)[6:]}: gradients all {str(dtype)[6:]} values "
