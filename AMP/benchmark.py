@@ -35,7 +35,7 @@ from typing import List, Optional
 import torch
 
 from ampkit.data.classic import default_workers
-from ampkit.device import want_cuda
+from ampkit.device import device_type
 from ampkit.errors import UserError, report_user_errors
 from ampkit.flops import fp32_peak_math, peak_tflops
 from ampkit.precision import cpu_has_fast_bf16, set_tf32
@@ -109,7 +109,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 alone prints and writes
         sys.stdout, args.json = open(os.devnull, "w"), None
-    device = torch.device("cuda" if want_cuda(args.cuda) else "cpu")
+    device = torch.device(device_type(args.device))
+    if device.type not in ("cuda", "cpu"):  # its timer: CUDA events, or the host's clock
+        raise UserError(f"benchmark.py times CUDA and the CPU, not {device.type}: there, a "
+                        "training run's epoch lines give its images/s")
     if args.threads:
         torch.set_num_threads(args.threads)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"

@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from ampkit.errors import UserError
-from ampkit.flags import AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser, train_parser
+from ampkit.flags import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
+                          add_device_flags, train_parser)
 from ampkit.models import check_arch_flags
 from ampkit.technique import DEFAULT_LR
 from tools import report, stats
@@ -88,8 +89,7 @@ def build_parser() -> Parser:
     g.add_argument("--seed", type=int, default=d.get_default("seed"))
     g.add_argument("--num_workers", type=int, default=None,
                    help="DataLoader workers (default: the scripts' own, 4 with CUDA, 0 on the CPU)")
-    g.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA (--no-cuda: CPU). Default: CUDA when available")
+    add_device_flags(g)
     g.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
                    help="autocast dtype of the AMP variants (default: float16 on CUDA, "
                         "bfloat16 on the CPU)")

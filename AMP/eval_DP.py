@@ -21,7 +21,7 @@ from ampkit.flags import parse_eval_args
 @report_user_errors
 def main(argv=None):
     args = parse_eval_args("eval_DP", argv, __doc__)
-    device = single_process_device(args.cuda)
+    device = single_process_device(args.device, data_parallel=True)
     ev = Evaluation(args.checkpoint, device, name=args.variant, arch=args.arch,
                     dataset=args.dataset, dataset_root=args.dataset_root,
                     img_size=args.img_size, batch_size=args.batch_size, loader=args.loader,

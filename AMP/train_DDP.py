@@ -73,13 +73,14 @@ def build(parts: Parts) -> Technique:
 @report_user_errors
 def main(argv=None):
     args = parse_train_args("train_DDP", argv, __doc__, process_group=True)
-    # One process per GPU, in a group made from torchrun's RANK, WORLD_SIZE and
+    # One process per device, in a group made from torchrun's RANK, WORLD_SIZE and
     # LOCAL_RANK (the article set rank and address by hand, and used gloo on GPUs too).
-    rank, world_size, device = torchrun_env(args.cuda)
-    if device.type == "cuda":
-        # Before any CUDA work, or every rank would use GPU 0.
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+    rank, world_size, device = torchrun_env(args.device)
+    if device.type != "cpu":
+        # Before any work on it, or every rank would use device 0.
+        torch.accelerator.set_device_index(device.index)
+    # The backend of the device's type (NCCL on CUDA, XCCL on XPU, gloo on the CPU).
+    dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
                             world_size=world_size, store=elastic_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
     fp32_math = set_cuda_math(args.tf32, device)

@@ -73,10 +73,10 @@ def build(parts: Parts) -> Technique:
 @report_user_errors
 def main(argv=None):
     args = parse_train_args("train_DDP_GradScaler", argv, __doc__, process_group=True)
-    rank, world_size, device = torchrun_env(args.cuda)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+    rank, world_size, device = torchrun_env(args.device, loss_scaling=True)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
                             world_size=world_size, store=elastic_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
     fp32_math = set_cuda_math(args.tf32, device)

@@ -68,7 +68,7 @@ def build(parts: Parts) -> Technique:
 @report_user_errors
 def main(argv=None):
     args = parse_train_args("train_DP", argv, __doc__)
-    device = single_process_device(args.cuda)
+    device = single_process_device(args.device, data_parallel=True)
     fp32_math = set_cuda_math(args.tf32, device)
     with RunFolder(args.checkpoint / args.variant, device,
                    args.tensorboard_log / args.variant if args.tensorboard else None) as run:

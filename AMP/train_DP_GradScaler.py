@@ -70,7 +70,7 @@ def build(parts: Parts) -> Technique:
 @report_user_errors
 def main(argv=None):
     args = parse_train_args("train_DP_GradScaler", argv, __doc__)
-    device = single_process_device(args.cuda)
+    device = single_process_device(args.device, data_parallel=True, loss_scaling=True)
     fp32_math = set_cuda_math(args.tf32, device)
     with RunFolder(args.checkpoint / args.variant, device,
                    args.tensorboard_log / args.variant if args.tensorboard else None) as run:

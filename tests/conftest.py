@@ -212,15 +212,15 @@ def quick_flags(dataset_root: Path, checkpoint: Path, *extra, dataset: str = "Im
                 tensorboard: bool = False, **flags) -> List[str]:
     """The flags of a quick run, the one builder of them: ``dataset_root``'s data at
     ``img_size`` px, ``checkpoint`` as --checkpoint, TensorBoard off unless ``tensorboard``,
-    ``arch`` (None: the script's AlexNet), --no-cuda (``cuda=True``: --cuda; None: neither,
-    the script's choice); then each of ``flags`` as ``--name value`` (None: left out), then
+    ``arch`` (None: the script's AlexNet), --device cpu (``cuda=True``: --device cuda; None:
+    neither, the script's choice); then each of ``flags`` as ``--name value`` (None: left out), then
     ``extra`` as given."""
     args = ["--dataset", dataset, "--dataset_root", dataset_root, "--img_size", img_size,
             "--checkpoint", checkpoint, "--tensorboard" if tensorboard else "--no-tensorboard"]
     if arch is not None:
         args += ["--arch", arch]
     if cuda is not None:
-        args.append("--cuda" if cuda else "--no-cuda")
+        args += ["--device", "cuda" if cuda else "cpu"]
     for name, value in flags.items():
         if value is not None:
             args += [f"--{name}", value]

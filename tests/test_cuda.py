@@ -168,7 +168,7 @@ def test_ddp_nccl_one_process_plain_python(tmp_path, imagefolder_root):
     result = run_script("train_DDP_autocast", *tiny_args(tmp_path, imagefolder_root, cuda=True))
     assert result.returncode == 0, result.describe()
     assert_clean_stderr(result.stderr)
-    assert "on cuda:0 x1 processes" in result.stdout, result.stdout
+    assert "on cuda:0 x1 processes over nccl" in result.stdout, result.stdout
     assert "(float16)" in result.stdout, result.stdout
     ckpt = tmp_path / "checkpoint" / "train_DDP_autocast" / "last.pth"
     assert ckpt.is_file()

@@ -78,7 +78,8 @@ TECHNIQUE_CALLS = {
     "ddp": ["DistributedDataParallel", "no_sync", "register_comm_hook"],
     "fsdp": ["fully_shard", "set_requires_gradient_sync", "set_reshard_after_backward",
              "full_tensor", "get_model_state_dict", "get_optimizer_state_dict"],
-    "group": ["torchrun_env", "cuda.set_device", "init_process_group", "DistributedSampler",
+    "group": ["torchrun_env", "set_device_index", "get_default_backend_for_device",
+              "init_process_group", "DistributedSampler",
               "local_main_first", "dist.all_reduce", "destroy_process_group"],
     "mixed": ["MixedPrecisionPolicy", "torch.amp.GradScaler", "scale", "unscale_", "update"],
 }
@@ -173,7 +174,7 @@ def test_a_process_groups_script_leaves_it_on_every_way_out(name):
     the ``try`` that holds the whole run, so an error and a stop leave it too."""
     main = _function(name, "main")
     called = _called(main)
-    assert _first(called, "set_device") < _first(called, "init_process_group"), name
+    assert _first(called, "set_device_index") < _first(called, "init_process_group"), name
     tries = [n for n in main.body if isinstance(n, ast.Try)]
     assert len(tries) == 1 and _has(_called(ast.Module(tries[0].finalbody, [])),
                                     "destroy_process_group"), name
@@ -228,7 +229,7 @@ def test_neighbours_differ_by_their_technique_only(a, b):
     elif b.startswith("train_FSDP") and a.startswith("train_DDP"):
         limit = 44  # another wrapper, its own skip of a micro-batch's reduction, its state
     else:
-        limit = 28 if b == "train_FSDP_mixed" else 16  # mixed: a scaler for fp16 alone
+        limit = 32 if b == "train_FSDP_mixed" else 18  # mixed: a scaler for fp16 alone
     assert len(changed) <= limit, "\n".join(changed)
 
 

@@ -459,7 +459,9 @@ BAD_INPUTS = {
     "lr nan": (["--lr", "nan"], "--lr must be"),
     "img_size too small": (["--img_size", "32", "--arch", "alexnet"], "at least 63"),
     "unknown dataset": (["--dataset", "MNIST"], "invalid choice"),
-    "cuda without CUDA": (["--cuda"], "CUDA is not available"),  # not a silent CPU run
+    "cuda without CUDA": (["--cuda"], "no CUDA (or ROCm) GPU"),  # not a silent CPU run
+    "mps without MPS": (["--device", "mps"], "no Apple MPS device"),
+    "xpu without XPU": (["--device", "xpu"], "no Intel XPU"),
     "checkpoint is a file": (["--checkpoint", "{tmp}/afile"], "is a file, but a folder is expected"),
     "unwritable checkpoint": (["--checkpoint", "/proc/ampkit-test"], "cannot write"),
     "unwritable tensorboard": (["--tensorboard", "--tensorboard_log", "/proc/ampkit-test"],
@@ -479,8 +481,10 @@ def _bad_input_args(name: str, imagefolder_root: Path, tmp_path: Path) -> list[s
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
 def test_bad_input_one_line_error(name, imagefolder_root, tmp_path, capsys):
     """In-process (fast): main() exits 2 with exactly one line on stderr, writes nothing."""
-    if name == "cuda without CUDA" and torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
+    from ampkit.device import accelerator
+
+    if name.endswith("without " + name.split()[0].upper()) and accelerator() == name.split()[0]:
+        pytest.skip(f"this machine has {name.split()[0]}")
     import train_autocast
 
     with pytest.raises(SystemExit) as exit_info:

@@ -3,8 +3,9 @@ FSDP2 script joins itself (``train_DDP.py``): torchrun's environment (under plai
 ``python``, a group of one on a free local port), a store that keeps a restarted attempt's
 keys apart from the previous attempt's, this process's :class:`DistInfo`, the sums, maxima
 and gathers the loop and the logs need, the ranks' stop vote, what is resumed (and an
-FSDP2 optimizer's saved state, sharded again), and each rank's random streams. With CUDA
-the backend is NCCL, on the CPU gloo.
+FSDP2 optimizer's saved state, sharded again), and each rank's random streams. The backend
+is the device's (``dist.get_default_backend_for_device``: NCCL on CUDA, XCCL on XPU, gloo
+on the CPU).
 
 Each function here that takes ``info`` is a collective in a process group: every rank
 calls it, at the same point of the run, or the others wait (``GROUP_TIMEOUT``). In one
@@ -36,13 +37,14 @@ def this_process(device: torch.device) -> DistInfo:
     if not (dist.is_available() and dist.is_initialized()):
         return DistInfo(device=device)
     return DistInfo(device=device, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                    local_rank=int(os.environ.get("LOCAL_RANK", "0")), distributed=True)
+                    local_rank=int(os.environ.get("LOCAL_RANK", "0")), distributed=True,
+                    backend=dist.get_backend())
 
 
 def barrier(info: DistInfo) -> None:
     """Every rank waits here for all the others."""
     if info.distributed:
-        if info.device.type == "cuda":
+        if info.device.type == "cuda":  # NCCL's barrier takes the device; gloo's none
             dist.barrier(device_ids=[info.device.index])
         else:
             dist.barrier()
@@ -243,16 +245,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_env(cuda_flag: Optional[bool]) -> Tuple[int, int, torch.device]:
+def torchrun_env(device_choice: str, *, loss_scaling: bool = False
+                 ) -> Tuple[int, int, torch.device]:
     """``(RANK, WORLD_SIZE, device)`` as torchrun sets them; the device is this process's own,
-    ``cuda:LOCAL_RANK`` (or the CPU: ``--cuda``/``--no-cuda``, see :func:`want_cuda`).
-    Started by plain ``python``, the process is a group of one, on a free local port."""
+    ``<type>:LOCAL_RANK`` of ``--device`` (or the CPU: ``device.process_device``, which
+    refuses what the device cannot run, a GradScaler with ``loss_scaling`` too). Started
+    by plain ``python``, the process is a group of one, on a free local port."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-            process_device(cuda_flag, local_rank))
+            process_device(device_choice, local_rank, loss_scaling=loss_scaling))
 
 
 def elastic_store(rank: int, world_size: int) -> Optional[dist.Store]:

@@ -2,7 +2,7 @@
 honour is refused in one line, before anything starts.
 
 The article's flag names and defaults are kept (CIFAR10, 227 px, batch 64,
-AdamW lr 1e-4, 20 epochs); booleans are real booleans (``--cuda/--no-cuda``),
+AdamW lr 1e-4, 20 epochs); booleans are real booleans (``--tf32/--no-tf32``),
 and default paths are relative to the repository root, not the current folder.
 The flags a run was started with are recorded in its checkpoints (``checkpoint.files``).
 """
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .device import DEVICES
 from .errors import UserError
 from .models import check_arch_flags, check_dp_scope
 from .technique import DEFAULT_LR
@@ -58,9 +59,7 @@ def _add_common(p: argparse.ArgumentParser, *, process_group: bool, for_eval: bo
                    help="batch size " + ("PER PROCESS (the global batch is batch_size x world size)"
                                          if process_group
                                          else "(split across GPUs by DataParallel)"))
-    p.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
-                   help="train on CUDA (--no-cuda: on the CPU). Default: CUDA when available; "
-                        "--cuda without CUDA is an error")
+    add_device_flags(p)
     p.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
                    help="autocast dtype. Default: float16 on CUDA, bfloat16 on the CPU")
     p.add_argument("--num_workers", type=int, default=None,
@@ -82,6 +81,18 @@ def _add_common(p: argparse.ArgumentParser, *, process_group: bool, for_eval: bo
                    help="CUDA fp32 math: --tf32 runs fp32 convolutions and matmuls in TF32 "
                         "(Ampere and newer), --no-tf32 in full fp32. Default: PyTorch's, TF32 "
                         "convolutions and fp32 matmuls")
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    """--device, and --cuda / --no-cuda, its older spellings."""
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to run: auto is the accelerator this machine has (CUDA or ROCm, "
+                        "Intel XPU, Apple MPS), else the CPU; a named one that is not there is "
+                        "an error")
+    p.add_argument("--cuda", dest="device", action="store_const", const="cuda",
+                   help="the same as --device cuda")
+    p.add_argument("--no-cuda", dest="device", action="store_const", const="cpu",
+                   help="the same as --device cpu")
 
 
 def save_interval(text: str) -> str:

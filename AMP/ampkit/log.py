@@ -145,13 +145,15 @@ def header_line(variant: str, technique, data, info, *, accum_steps: int,
     device, amp_dtype = info.device, technique.amp_dtype
     gpu = device.type == "cuda"
     dp = any(isinstance(m, torch.nn.DataParallel) for m in technique.model.modules())
-    gpus = f" x{torch.cuda.device_count()} GPUs" if dp and gpu else ""
+    gpus = (f" x{torch.cuda.device_count()} GPUs" if dp and gpu else
+            " (DataParallel on the CPU calls the model as it is)" if dp else "")
     dtype = f" ({str(amp_dtype)[6:]})" if amp_dtype is not None else (f" ({fp32_math})" if gpu
                                                                         else "")
     batch = data.batch_size
     return (f"{variant}: {data.name} ({data.train_size} train / {data.val_size} val "
             f"images, {data.num_classes} classes) at {data.image_shape[-1]}px on {device}"
-            f"{f' x{info.world_size} processes' if info.distributed else ''}{gpus}, "
+            f"{f' x{info.world_size} processes over {info.backend}' if info.distributed else ''}"
+            f"{gpus}, "
             f"precision {technique.precision}{dtype}, "
             f"batch {batch}{' per process' if info.distributed else ''}"
             + (f" x {accum_steps} micro-batches per optimizer step (global batch "

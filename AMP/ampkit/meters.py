@@ -47,7 +47,7 @@ class Meters(StepMeters):
             log.warn(comm_hook.caveat(info.world_size, technique.scaler))
         self.peak, note = run_peak(peak_tflops, info.device, technique.amp_dtype, fp32_math)
         log.warn(note)
-        gpus = torch.cuda.device_count() if self.dp and info.device.type == "cuda" else 1
+        gpus = torch.cuda.device_count() if self.dp and info.device.type == "cuda" else 1  # DP
         self.devices = info.world_size * gpus  # what the peak is multiplied by
         self.train_seconds, self.train_flops, self.start = 0.0, 0.0, None
 
@@ -77,10 +77,11 @@ class Meters(StepMeters):
         self.train_seconds += stats.seconds - seconds_before  # this process's own
         self.train_flops += (stats.images - images_before) * self.flops_per_image
         t0, lr, reset = self.start
-        mine = (round(peak_memory_mb(self.info.device, all_gpus=self.dp), 1),
-                self.data.take_unreadable())
+        peak = peak_memory_mb(self.info.device, all_gpus=self.dp)
+        mine = (round(peak, 1) if peak is not None else None, self.data.take_unreadable())
         ranks = gather_from_ranks([mine], self.info)  # every rank's peak this epoch
         peaks, unreadable = [peak for peak, _ in ranks], [u for _, left in ranks for u in left]
+        known = [peak for peak in peaks if peak is not None]  # None: the device keeps none
         scaler = self.technique.scaler
         row = {"epoch": epoch + 1, "train_loss": stats.loss, "val_acc": correct / seen,
                "val_correct": correct, "val_seen": seen, "lr": lr,
@@ -91,8 +92,8 @@ class Meters(StepMeters):
                "grad_norm_mean": stats.grad_norm_mean, "grad_norm_max": stats.grad_norm_max,
                "skipped_steps": stats.skipped,
                "skipped_images": report_unreadable(self.log.print, unreadable),
-               "peak_mem_mb": max(peaks), "peak_mem_mb_per_rank": peaks,
-               "peak_mem_kind": memory_kind(self.info.device, reset)}
+               "peak_mem_mb": max(known) if known else None, "peak_mem_mb_per_rank": peaks,
+               "peak_mem_kind": memory_kind(self.info.device, reset) if known else "n/a"}
         row |= {"grad_scale": scaler.get_scale()} if scaler is not None else {}
         row |= achieved(stats.images * self.flops_per_image, stats.seconds, self.peak,
                         self.devices)

@@ -16,15 +16,35 @@ from .errors import UserError
 
 
 def resolve_amp_dtype(name: Optional[str], device: torch.device) -> torch.dtype:
-    """``--amp_dtype``, or the default: float16 on CUDA, bfloat16 on the CPU (where CPU
-    autocast supports float16 only for some operators)."""
+    """``--amp_dtype``, or the device's default: float16 on an accelerator (its fast low
+    precision: CUDA's and ROCm's tensor cores, XPU's, MPS's), bfloat16 on the CPU (where
+    CPU autocast supports float16 only for some operators). A dtype the device cannot
+    compute in is one line."""
     if name is None:
-        name = "float16" if device.type == "cuda" else "bfloat16"
+        name = "bfloat16" if device.type == "cpu" else "float16"
     dtype = getattr(torch, name)
-    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise UserError(f"--amp_dtype bfloat16: {torch.cuda.get_device_name(device)} does not "
-                        "support bfloat16 (use --amp_dtype float16)")
+    if dtype is torch.bfloat16 and not _bf16_supported(device):
+        module = torch.get_device_module(device.type)
+        what = (module.get_device_name(device) if hasattr(module, "get_device_name")
+                else f"this {device.type} device")
+        raise UserError(f"--amp_dtype bfloat16: {what} does not support bfloat16 (use "
+                        "--amp_dtype float16)")
     return dtype
+
+
+def _bf16_supported(device: torch.device) -> bool:
+    """CUDA and XPU say so themselves; MPS computes in bfloat16 from macOS 14 on, and an
+    older one refuses a bfloat16 tensor."""
+    if device.type == "cpu":
+        return True
+    check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
+    if check is not None:
+        return bool(check())
+    try:
+        torch.ones(1, dtype=torch.bfloat16, device=device).add_(1)
+        return True
+    except (RuntimeError, TypeError):
+        return False
 
 
 def autocast_forward(forward: Callable) -> Callable:

@@ -19,9 +19,11 @@ class StepProfiler:
     def __init__(self, path: Path, device: torch.device, wait: int = 1, warmup: int = 1,
                  active: int = 3, say: Optional[Callable[[str], None]] = None) -> None:
         self.say = say
-        self.path, self.cuda, self.needed, self.table = Path(path), device.type == "cuda", \
-            wait + warmup + active, ""
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.path, self.needed, self.table = Path(path), wait + warmup + active, ""
+        # The device's own activity where the profiler has one (CUDA, XPU, MPS).
+        device_activity = getattr(ProfilerActivity, device.type.upper(), None)
+        self.on_device = device_activity in torch.profiler.supported_activities()
+        activities = [ProfilerActivity.CPU] + ([device_activity] if self.on_device else [])
         # One recording cycle: acc_events changes nothing but the warning torch 2.11 gives.
         self.prof = profile(activities=activities, on_trace_ready=self._ready, acc_events=True,
                             schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1))
@@ -29,7 +31,7 @@ class StepProfiler:
     def _ready(self, prof) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.path))
-        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        sort = "self_device_time_total" if self.on_device else "self_cpu_time_total"
         self.table = prof.key_averages().table(sort_by=sort, row_limit=12)
 
     def __enter__(self) -> "StepProfiler":

@@ -22,8 +22,8 @@ def seed_streams(seed: int, rank: int, cuda: bool) -> None:
     """After the model is built from ``seed`` (the same weights on every rank, for any world
     size): this rank's own random streams, for dropout and the classic path's flips. With
     ``cuda``, each visible GPU gets a stream of its own too: ``torch.manual_seed`` gives
-    every GPU the same one, so DataParallel's replicas would draw the same dropout masks on
-    their chunks of the batch."""
+    every GPU the same one, so DataParallel's replicas (CUDA's alone) would draw the same
+    dropout masks on their chunks of the batch."""
     torch.manual_seed(derived_seed(seed, 1, rank))
     if cuda:
         torch.cuda.init()  # the generators exist once CUDA is initialised (no context yet)
@@ -32,10 +32,15 @@ def seed_streams(seed: int, rank: int, cuda: bool) -> None:
 
 
 def random_state(device: torch.device) -> dict:
-    """This process's streams: the CPU's, and each visible GPU's on CUDA."""
-    cuda = device.type == "cuda"
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if cuda else None}
+    """This process's streams: the CPU's, and each visible accelerator's (DataParallel's
+    replicas draw from every GPU's) on an accelerator."""
+    if device.type == "cpu":
+        return {"torch": torch.get_rng_state(), "cuda": None}
+    module = torch.get_device_module(device.type)
+    states = (module.get_rng_state_all() if hasattr(module, "get_rng_state_all")
+              else [module.get_rng_state()])
+    return {"torch": torch.get_rng_state(), "device_type": device.type, "devices": states,
+            "cuda": states if device.type == "cuda" else None}
 
 
 def restore_random_state(saved: Any, rank: int, world_size: int, device: torch.device) -> str:
@@ -49,9 +54,14 @@ def restore_random_state(saved: Any, rank: int, world_size: int, device: torch.d
                 f"has {world_size} processes")
     mine = saved[rank]
     torch.set_rng_state(mine["torch"])
-    cuda: Optional[Any] = mine.get("cuda")
-    if device.type == "cuda" and cuda is not None:
-        cuda = cuda if isinstance(cuda, list) else [cuda]  # older: this device's alone
-        for index, state in enumerate(cuda[:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(state, index)
+    states: Optional[Any] = (mine.get("devices") if mine.get("device_type") == device.type
+                             else mine.get("cuda") if device.type == "cuda" else None)
+    if device.type != "cpu" and states is not None:
+        states = states if isinstance(states, list) else [states]  # older: this device's
+        module = torch.get_device_module(device.type)
+        if len(states) == 1 and not hasattr(module, "get_rng_state_all"):
+            module.set_rng_state(states[0])
+        else:
+            for index, state in enumerate(states[:torch.accelerator.device_count()]):
+                module.set_rng_state(state, index)
     return ""

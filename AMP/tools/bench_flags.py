@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from ampkit.comm_hooks import HOOKS
 from ampkit.errors import UserError
-from ampkit.flags import AMP_DTYPES, DATA_DIR, Parser
+from ampkit.flags import AMP_DTYPES, DATA_DIR, Parser, add_device_flags
 from ampkit.models import check_arch_flags
 
 from .variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
@@ -34,8 +34,7 @@ def build_parser() -> Parser:
     p.add_argument("--img_size", type=int, default=227)
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="steps run first and not counted")
-    p.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA (--no-cuda: CPU). Default: CUDA when available")
+    add_device_flags(p)
     p.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
                    help="autocast dtype (default: float16 on CUDA, bfloat16 on the CPU)")
     p.add_argument("--num_classes", type=int, default=10)

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import torch  # only to see the devices; the children do the work
 
-from ampkit.device import want_cuda
+from ampkit.device import device_type
 
 from . import run_logs, runner
 from .report import FAILED, INTERRUPTED, NOT_RUN, OK, VariantResult
@@ -56,11 +56,11 @@ def short(path: Path) -> str:
 class Comparison:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.cuda = want_cuda(args.cuda)
-        self.gpus = torch.cuda.device_count() if self.cuda else 0
-        self.nproc = args.nproc or (self.gpus if self.cuda else 2)
-        self.device = "cuda" if self.cuda else "cpu"
-        self.amp_dtype = args.amp_dtype or ("float16" if self.cuda else "bfloat16")
+        self.device = device_type(args.device)  # --device auto: what the machine has
+        self.cuda = self.device == "cuda"
+        self.gpus = torch.accelerator.device_count() if self.device != "cpu" else 0
+        self.nproc = args.nproc or (self.gpus if self.device != "cpu" else 2)
+        self.amp_dtype = args.amp_dtype or ("bfloat16" if self.device == "cpu" else "float16")
         self.torch_version = torch.__version__
         self.started = time.time()  # the common start of the TensorBoard accuracy curves
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -89,7 +89,7 @@ class Comparison:
         a = self.args
         cmd = ["--dataset", a.dataset, "--dataset_root", str(a.dataset_root),
                "--img_size", str(a.img_size), "--batch_size", str(a.batch_size),
-               "--cuda" if self.cuda else "--no-cuda"]
+               "--device", self.device]
         if a.arch != "alexnet":
             cmd += ["--arch", a.arch]
         if a.num_workers is not None:

@@ -97,15 +97,16 @@ class DDPGroup:
         """The group: torchrun's when benchmark.py runs under it, else one of one process."""
         if self.info is None:
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                rank, world_size, device = torchrun_env(self.cuda)
+                rank, world_size, device = torchrun_env("cuda" if self.cuda else "cpu")
                 if self.cuda:
-                    torch.cuda.set_device(device)
+                    torch.accelerator.set_device_index(device.index)
                 kw = dict(rank=rank, world_size=world_size, store=elastic_store(rank, world_size))
             else:
                 device = torch.device("cuda", torch.cuda.current_device()) if self.cuda \
                     else torch.device("cpu")
                 kw = dict(rank=0, world_size=1, store=dist.HashStore())
-            dist.init_process_group("nccl" if self.cuda else "gloo", device_id=device.index, **kw)
+            dist.init_process_group(dist.get_default_backend_for_device(device),
+                                    device_id=device.index, **kw)
             self.info = this_process(device)
         return self.info
 

@@ -126,7 +126,8 @@ def _per_rank(rows: Sequence[Dict]) -> str:
              if isinstance(r.get("peak_mem_mb_per_rank"), list) and r["peak_mem_mb_per_rank"]]
     if not lists or len(lists[0]) < 2:
         return ""
-    return " / ".join(f"{max(col):.0f}" for col in zip(*lists))
+    return " / ".join(f"{max(known):.0f}" if (known := [v for v in col if v is not None])
+                      else "n/a" for col in zip(*lists))
 
 
 # --------------------------------------------------------------------------- eval output

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..device import pinned
 from ..errors import UserError, first_line
 
 
@@ -196,7 +197,7 @@ class Snapshot:
         """``obj`` with every tensor replaced by its copy in this snapshot's buffers."""
         out = self._copy(obj, ())
         if any(b.is_pinned() for b in self._buffers.values()):
-            torch.cuda.synchronize()  # the asynchronous copies have landed
+            torch.accelerator.synchronize()  # the asynchronous copies have landed
         return out
 
     def _copy(self, obj: Any, key: tuple) -> Any:
@@ -204,9 +205,9 @@ class Snapshot:
             t = obj.detach()
             buf = self._buffers.get(key)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned(t.device))
                 self._buffers[key] = buf
-            return buf.copy_(t, non_blocking=t.is_cuda)
+            return buf.copy_(t, non_blocking=pinned(t.device))
         if isinstance(obj, dict):
             return {k: self._copy(v, key + (k,)) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):

@@ -12,7 +12,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from ..device import DistInfo
+from ..device import DistInfo, pinned
 from ..errors import UserError
 from ..signals import held_stop_signals, ignore_stop_signals
 from .datasets import BadImage, Unreadable
@@ -61,10 +61,6 @@ def collate_next_readable(batch: list) -> Tuple[object, object, List[Unreadable]
     return images, targets, [bad for _, _, passed in batch for bad in passed]
 
 
-def default_workers(num_workers: Optional[int], device: torch.device) -> int:
-    return num_workers if num_workers is not None else (4 if device.type == "cuda" else 0)
-
-
 class CheckedLoader:
     """A DataLoader whose batches arrive on ``device`` (the images in ``memory_format``), and
     whose unreadable images (see :class:`.datasets.ImageFolder`) stop the run with a one-line
@@ -109,13 +105,13 @@ def _loader(dataset: Dataset, sampler: Sampler, *, batch_size: int, num_workers:
     # random stream that dropout draws from (a resumed run goes on with that stream).
     return CheckedLoader(DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-        pin_memory=device.type == "cuda", persistent_workers=num_workers > 0, drop_last=False,
+        pin_memory=pinned(device), persistent_workers=num_workers > 0, drop_last=False,
         collate_fn=collate, worker_init_fn=ignore_stop_signals,
         generator=torch.Generator()), skip_bad, device, memory_format, (3, img_size, img_size))
 
 
 def default_workers(num_workers: Optional[int], device: torch.device) -> int:
-    return num_workers if num_workers is not None else (4 if device.type == "cuda" else 0)
+    return num_workers if num_workers is not None else (0 if device.type == "cpu" else 4)
 
 
 def train_loader(dataset: Dataset, sampler: Optional[Sampler[int]] = None, *, batch_size: int,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torchvision
 from torch.utils.data import Sampler, TensorDataset
 
-from ..device import DistInfo
+from ..device import DistInfo, pinned
 from ..errors import UserError
 from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD, check_cifar_root,
                        cifar10)
@@ -120,7 +120,7 @@ class DeviceLoader:
         host = [torch.tensor(list(self.sampler), dtype=torch.int64)]
         if self.train:
             host.append(self.sampler.flips())
-        if self.device.type == "cuda":
+        if pinned(self.device):
             # Pinned, so the copy is asynchronous: not even the epoch start waits for the GPU.
             host = [t.pin_memory() for t in host]
         on_device = [t.to(self.device, non_blocking=True) for t in host]
