@@ -22,7 +22,8 @@ class StepProfiler:
         self.path, self.needed, self.table = Path(path), wait + warmup + active, ""
         # The device's own activity where the profiler has one (CUDA, XPU, MPS).
         device_activity = getattr(ProfilerActivity, device.type.upper(), None)
-        self.on_device = device_activity in torch.profiler.supported_activities()
+        self.on_device = (device.type != "cpu"
+                          and device_activity in torch.profiler.supported_activities())
         activities = [ProfilerActivity.CPU] + ([device_activity] if self.on_device else [])
         # One recording cycle: acc_events changes nothing but the warning torch 2.11 gives.
         self.prof = profile(activities=activities, on_trace_ready=self._ready, acc_events=True,
