@@ -35,12 +35,11 @@ def random_state(device: torch.device) -> dict:
     """This process's streams: the CPU's, and each visible accelerator's (DataParallel's
     replicas draw from every GPU's) on an accelerator."""
     if device.type == "cpu":
-        return {"torch": torch.get_rng_state(), "cuda": None}
+        return {"torch": torch.get_rng_state()}
     module = torch.get_device_module(device.type)
     states = (module.get_rng_state_all() if hasattr(module, "get_rng_state_all")
               else [module.get_rng_state()])
-    return {"torch": torch.get_rng_state(), "device_type": device.type, "devices": states,
-            "cuda": states if device.type == "cuda" else None}
+    return {"torch": torch.get_rng_state(), "device_type": device.type, "devices": states}
 
 
 def restore_random_state(saved: Any, rank: int, world_size: int, device: torch.device) -> str:
@@ -54,6 +53,7 @@ def restore_random_state(saved: Any, rank: int, world_size: int, device: torch.d
                 f"has {world_size} processes")
     mine = saved[rank]
     torch.set_rng_state(mine["torch"])
+    # Older checkpoints kept CUDA's streams under "cuda".
     states: Optional[Any] = (mine.get("devices") if mine.get("device_type") == device.type
                              else mine.get("cuda") if device.type == "cuda" else None)
     if device.type != "cpu" and states is not None:
