@@ -38,7 +38,7 @@ from ampkit.data.classic import default_workers
 from ampkit.device import device_type
 from ampkit.errors import UserError, report_user_errors
 from ampkit.flops import fp32_peak_math, peak_tflops
-from ampkit.precision import cpu_has_fast_bf16, set_tf32
+from ampkit.precision import cpu_has_fast_bf16, set_cuda_math
 from tools import measure_input, measure_steps, tables
 from tools.bench_flags import PIPELINES, parse_args
 from tools.variants import TRAIN_VARIANTS
@@ -113,6 +113,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if device.type not in ("cuda", "cpu"):  # its timer: CUDA events, or the host's clock
         raise UserError(f"benchmark.py times CUDA and the CPU, not {device.type}: there, a "
                         "training run's epoch lines give its images/s")
+    fp32_math = set_cuda_math(args.tf32, device)
     if args.threads:
         torch.set_num_threads(args.threads)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -129,7 +130,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("warning: this CPU has no native bfloat16 (AVX512-BF16/AMX): the autocast "
               "variants will be several times slower than fp32 here", file=sys.stderr)
 
-    fp32_math = set_tf32(args.tf32) if device.type == "cuda" else ""
     steps = time_steps(args, device, fp32_math)
     pipes = measure_input.measure_pipelines(
         PIPELINES[args.pipeline], args.dataset_root, args.img_size, args.batch_size,

@@ -52,6 +52,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from ampkit.data.loaders import check_loader_flags, loader_kind
 from ampkit.errors import UserError
 from ampkit.flags import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
                           add_device_flags, train_parser)
@@ -88,7 +89,8 @@ def build_parser() -> Parser:
     g.add_argument("--lr", type=float, default=DEFAULT_LR)
     g.add_argument("--seed", type=int, default=d.get_default("seed"))
     g.add_argument("--num_workers", type=int, default=None,
-                   help="DataLoader workers (default: the scripts' own, 4 with CUDA, 0 on the CPU)")
+                   help="DataLoader workers of the classic input path (ImageFolder, or --extra_args "
+                        "'--loader classic'; default: the scripts' own, 4 with CUDA, 0 on the CPU)")
     add_device_flags(g)
     g.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
                    help="autocast dtype of the AMP variants (default: float16 on CUDA, "
@@ -153,6 +155,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if bare:  # the same flags as its script: a second, identical variant
         p.error(f"--variants {bare[0]}: no --extra_args '{bare[0]}=FLAGS' gives it its flags")
     args.extra = extra
+    for v in names:  # --num_workers: the classic loader's, which each variant's flags choose
+        flags = [*extra.get(None, []), *extra.get(script_of(v), []),
+                 *(extra.get(v, []) if v != script_of(v) else [])]
+        loader = argparse.ArgumentParser(add_help=False)
+        loader.add_argument("--loader", default="auto")
+        try:
+            check_loader_flags(loader_kind(args.dataset, loader.parse_known_args(flags)[0].loader),
+                               num_workers=args.num_workers, skip_bad=False)
+        except UserError as e:
+            p.error(f"{v}: {e}")
     args.dataset_root = args.dataset_root.expanduser().resolve()
     args.out = args.out.expanduser().resolve()
     args.tensorboard_root = args.tensorboard_root.expanduser().resolve()

@@ -5,7 +5,7 @@
 
 The checkpoint holds the bare model's weights: they are loaded into the model first, and the
 model is wrapped afterwards (the article loaded a `module.`-prefixed state into it again at
-every batch). Without CUDA, DataParallel just calls the model. With --autocast, the model
+every batch). Off CUDA the model runs as it is, without DataParallel. With --autocast, the model
 re-enters autocast with the run's dtype in each replica thread, for any --arch
 (autocast_replicas, ampkit/models.py), as autocast state is thread-local. `--help` lists
 the flags.
@@ -30,7 +30,9 @@ def main(argv=None):
                     amp_dtype=args.amp_dtype)
     # All visible GPUs, each batch split between them: the weights are loaded first, then
     # the model is wrapped (the article loaded a "module."-prefixed state at every batch).
-    model = nn.DataParallel(ev.model)
+    # DataParallel is CUDA's: on another device it would still move the model to a GPU the
+    # machine has, so there the model runs as it is.
+    model = nn.DataParallel(ev.model) if device.type == "cuda" else ev.model
     counts = ev.count_correct(model, range(ev.test_size))
     ev.report(*counts.tolist())
 

@@ -7,7 +7,7 @@ Every step DataParallel copies the model to each GPU, splits the batch, runs one
 GPU in a thread of its own and gathers the outputs on GPU 0: one process and no launcher,
 but slower than DDP (train_DDP.py), which PyTorch recommends. --dp_scope features
 replicates the convolutions alone, as pytorch/examples' ImageNet script does for AlexNet.
-Without CUDA, DataParallel just calls the model.
+Off CUDA (--device cpu) the model runs as it is, without DataParallel.
 Pitfall: --batch_size is the whole batch, split across the GPUs. The article saved the
 wrapped model, whose `module.` keys no bare model loads.
 """
@@ -33,11 +33,14 @@ from ampkit.technique import Parts, Technique
 
 def build(parts: Parts) -> Technique:
     model = parts.network
-    if parts.dp_scope == "features":
+    # DataParallel replicates over CUDA GPUs alone: built on another device it would still
+    # move the model to a GPU the machine has (it looks at the machine, not the model).
+    # Elsewhere the model runs as it is.
+    if parts.device.type == "cuda" and parts.dp_scope == "features":
         # The convolutions alone, as pytorch/examples' ImageNet script does for AlexNet:
         # the big linear layers, most of the parameters, stay on one GPU.
         model.features = torch.nn.DataParallel(model.features)
-    else:
+    elif parts.device.type == "cuda":
         # Every step: the model copied to each GPU, the batch split over them, the
         # outputs gathered on GPU 0.
         model = torch.nn.DataParallel(model)

@@ -31,12 +31,15 @@ from ampkit.technique import Parts, Technique
 
 def build(parts: Parts) -> Technique:
     model = parts.network
+    # DataParallel replicates over CUDA GPUs alone: built on another device it would still
+    # move the model to a GPU the machine has (it looks at the machine, not the model).
+    # Elsewhere the model runs as it is.
     # autocast is thread-local, and DataParallel runs each replica in a thread of its
     # own: what it replicates re-enters autocast with the run's dtype there.
-    if parts.dp_scope == "features":
+    if parts.device.type == "cuda" and parts.dp_scope == "features":
         model.features = torch.nn.DataParallel(autocast_replicas(model.features,
                                                                  parts.amp_dtype))
-    else:
+    elif parts.device.type == "cuda":
         model = torch.nn.DataParallel(autocast_replicas(model, parts.amp_dtype))
     criterion = parts.criterion
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)

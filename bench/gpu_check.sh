@@ -52,10 +52,12 @@ if [ $DRY = 1 ]; then
   DEV=--no-cuda; IMG=64; BS=2; STEPS="--steps 2 --warmup 1"; NTRAIN=16; NTEST=4
   PIPE_B=2; WORKERS=1; PEAK="--peak_tflops 1 --peak_tflops_fp32 1"
   S_TRAIN=4; S_TEST=2; S_IMG=64; S_BS=2
+  TF32=""; NO_TF32=""  # CUDA's fp32 math: refused on the CPU
 else
   DEV=--cuda; IMG=227; BS=256; STEPS="--steps 30 --warmup 10"; NTRAIN=50000; NTEST=10000
   PIPE_B=30; WORKERS=8; PEAK=""  # the peaks: by the GPU's name (ampkit/flops.py)
   S_TRAIN=2560; S_TEST=512; S_IMG=128; S_BS=64  # the short runs: data, image size, batch
+  TF32=--tf32; NO_TF32=--no-tf32
 fi
 source bench/steps.sh
 
@@ -72,7 +74,7 @@ run bench_fp16_cl 60 $B $PEAK --channels_last --variants train_without,train_aut
   --json "$WORK/bench_fp16_cl.json"; keep "$WORK/bench_fp16_cl.txt" 8
 run bench_bf16_cl 60 $B $PEAK --channels_last --amp_dtype bfloat16 --variants train_without,train_autocast \
   --json "$WORK/bench_bf16_cl.json"; keep "$WORK/bench_bf16_cl.txt" 7
-run bench_fp32_ieee 45 $B $PEAK --no-tf32 --channels_last --variants train_without \
+run bench_fp32_ieee 45 $B $PEAK $NO_TF32 --channels_last --variants train_without \
   --json "$WORK/bench_fp32_ieee.json"; keep "$WORK/bench_fp32_ieee.txt" 6
 
 run pytest_cuda 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests
@@ -181,10 +183,10 @@ keep "$WORK/pipeline.txt" 8
 
 # torch.compile in training, with the new fp32_precision API set (--tf32): the compiler must
 # not read the legacy TF32 flags then. Then the benchmark in the same configuration, warm.
-run train_compile 150 python3 AMP/$VARIANT.py $DEV $BEST_FLAGS --compile --tf32 --dataset CIFAR10 \
+run train_compile 150 python3 AMP/$VARIANT.py $DEV $BEST_FLAGS --compile $TF32 --dataset CIFAR10 \
   --dataset_root "$SCRATCH/small" --img_size $IMG --batch_size $BS --epochs 1 --no-tensorboard --checkpoint "$CK/train_compile"
 keep "$WORK/train_compile.txt" 4; drop train_compile
-run bench_compile 120 $B $PEAK --compile --tf32 $BEST_FLAGS --variants $VARIANT \
+run bench_compile 120 $B $PEAK --compile $TF32 $BEST_FLAGS --variants $VARIANT \
   --json "$WORK/bench_compile.json"; keep "$WORK/bench_compile.txt" 5
 
 # The figures as markdown tables, to copy into the README; each step's status.

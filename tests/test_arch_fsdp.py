@@ -116,17 +116,16 @@ def test_mobilenet_under_dp_gradscaler_and_eval(imagefolder_root, tmp_path, caps
 
 def test_bf16_under_dataparallel_for_any_arch():
     """DataParallel's replica threads re-enter autocast with the default dtype, not the run's.
-    A non-AlexNet model under train_DP_autocast's build() must still compute in the run's
-    dtype there: float16 on the CPU, where the default is bfloat16, shows the difference."""
+    A non-AlexNet model, as train_DP_autocast's build() hands it to DataParallel, must still
+    compute in the run's dtype there: float16 on the CPU, where the default is bfloat16,
+    shows the difference."""
     import torchvision
 
-    import train_DP_autocast
-    from ampkit.technique import Parts
+    from ampkit.models import autocast_replicas
 
     torch.manual_seed(0)
     net = torchvision.models.get_model("resnet18", num_classes=3).eval()
-    v = train_DP_autocast.build(Parts(net, nn.CrossEntropyLoss(), amp_dtype="float16"))
-    replica = v.model.module  # what DataParallel runs in each of its threads
+    replica = autocast_replicas(net, torch.float16)  # what DataParallel runs in each thread
     seen = {}
     net.layer1[0].conv1.register_forward_hook(lambda m, i, o: seen.__setitem__("conv", o.dtype))
     default, _ = as_a_dataparallel_replica(replica, torch.randn(2, 3, 64, 64), torch.float16)

@@ -106,7 +106,7 @@ def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
         info = this_process(dev)
         assert info.distributed == vote
         stats = train_one_epoch(v.train_step, stream(), info, log_every=1000,
-                                meters=StepMeters(v.scaler, dev),
+                                meters=StepMeters(v.scaler),
                                 stop=StopVote(StopFlag(), info) if vote else None)
     finally:
         torch.cuda.set_sync_debug_mode("default")

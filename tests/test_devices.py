@@ -1,16 +1,22 @@
 """Runs on the accelerator the user has: ``--device`` (auto: this machine's accelerator,
 by ``torch.accelerator``, else the CPU), what each device cannot run refused in one line,
-and the precision and backend taken from the device. The suite runs on the CPU (and on
-CUDA where ``bench/gpu_check.sh`` runs it): the generic code is the code the CPU runs here,
-and no device is pretended to -- the rules are asked of device types, the lookups of this
-build."""
+and the precision, the process group's backend and DataParallel's placement taken from the
+device. The suite runs on the CPU: a machine with CUDA, XPU or MPS devices is pretended
+(tests/helpers/machines.py, as Lightning's suite mocks the accelerators it does not own),
+and the code's decisions on it are checked; no kernel runs on a pretended device. What a
+device's kernels take is checked on the CPU by its rules: test_device_rules.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import torch.distributed as dist
+
 from conftest import FAST_ARCH, quick_flags, run_main
-from ampkit.device import accelerator, device_type, refusal
+from ampkit.device import (accelerator, device_type, peak_memory_mb, process_device, refusal,
+                           single_process_device)
+from ampkit.errors import UserError
+from helpers.machines import pretend_machine
 
 
 def test_auto_is_this_machines_accelerator_else_the_cpu(imagefolder_root, tmp_path):
@@ -85,3 +91,143 @@ def test_the_autocast_dtype_is_the_devices():
     kind = accelerator()
     if kind is not None:  # float16 on an accelerator, its fast low precision
         assert resolve_amp_dtype(None, torch.device(kind)) is torch.float16
+
+
+# ------------------------------------------------------------------ a machine pretended
+@pytest.mark.parametrize("kind, count", [("cuda", 2), ("xpu", 1), ("mps", 1), (None, 0)])
+def test_auto_takes_the_accelerator_the_machine_has(kind, count, monkeypatch):
+    pretend_machine(monkeypatch, kind, count)
+    assert device_type("auto") == (kind or "cpu")
+    assert single_process_device("auto") == torch.device(kind or "cpu")
+    assert device_type("cpu") == "cpu"  # the CPU is always there
+    for other in {"cuda", "xpu", "mps"} - {kind}:
+        with pytest.raises(UserError, match=f"--device {other}: this machine has no"):
+            device_type(other)
+
+
+@pytest.mark.parametrize("kind, what, says", [
+    ("xpu", dict(data_parallel=True), "nn.DataParallel is CUDA's"),
+    ("mps", dict(data_parallel=True), "nn.DataParallel is CUDA's"),
+    ("mps", dict(loss_scaling=True), "#186360"),
+    ("xpu", dict(loss_scaling=True), "has no GradScaler kernels"),  # this build: no XPU's
+])
+def test_a_one_process_script_is_refused_what_its_device_cannot_run(kind, what, says,
+                                                                    monkeypatch):
+    pretend_machine(monkeypatch, kind, 1)
+    with pytest.raises(UserError, match=says):
+        single_process_device("auto", **what)
+    assert single_process_device("cpu", **what) == torch.device("cpu")  # --device cpu runs
+
+
+def test_a_cuda_machine_runs_every_one_process_script(monkeypatch):
+    pretend_machine(monkeypatch, "cuda", 2)
+    assert single_process_device("auto", data_parallel=True, loss_scaling=True).type == "cuda"
+
+
+@pytest.mark.parametrize("kind, count, backend", [("cuda", 2, "nccl"), ("xpu", 2, "xccl"),
+                                                  (None, 0, "gloo")])
+def test_a_groups_process_takes_its_local_device_and_its_backend(kind, count, backend,
+                                                                  monkeypatch):
+    """torchrun's LOCAL_RANK picks the process's device; the group's backend is the
+    device's: NCCL for CUDA, XCCL for XPU, gloo on the CPU."""
+    pretend_machine(monkeypatch, kind, count)
+    device = process_device("auto", local_rank=1 if kind else 0, loss_scaling=kind == "cuda")
+    assert device == (torch.device(kind, 1) if kind else torch.device("cpu"))
+    assert dist.get_default_backend_for_device(device) == backend
+    if kind:  # one process per device, no more
+        with pytest.raises(UserError, match=f"LOCAL_RANK {count} but only {count}"):
+            process_device("auto", local_rank=count)
+
+
+def test_no_process_group_on_mps(monkeypatch):
+    pretend_machine(monkeypatch, "mps", 1)
+    with pytest.raises(UserError, match="cannot move MPS tensors"):
+        process_device("auto", local_rank=0)
+    assert process_device("cpu", local_rank=0) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("kind, count, scope", [("cuda", 2, "model"), ("cuda", 2, "features"),
+                                               ("cuda", 1, "model"), ("xpu", 1, "model"),
+                                               ("mps", 1, "model")])
+def test_dataparallel_on_the_cpu_leaves_the_model_there_whatever_the_machine_has(
+        kind, count, scope, monkeypatch, imagefolder_root, tmp_path):
+    """nn.DataParallel looks at the machine, not at the model: built on a machine with GPUs
+    it moves the model to the first (one GPU: the loss then meets the CPU's targets; two: "module
+    must have its parameters and buffers on device cuda:0"). A DataParallel script with
+    --device cpu builds none, and trains on the CPU."""
+    import train_DP  # noqa: F401  (imported first: torch._dynamo's import asks the real CUDA)
+
+    pretend_machine(monkeypatch, kind, count)
+    res = run_main("train_DP", *quick_flags(imagefolder_root, tmp_path, batch_size=48, epochs=1,
+                                            arch="alexnet" if scope == "features" else FAST_ARCH,
+                                            dp_scope=scope))
+    assert res.returncode == 0, res.describe()
+    assert "on cpu (DataParallel is CUDA's: on the cpu the model runs as it is)" in res.stdout
+    assert "done: train_DP" in res.stdout
+
+
+def test_dataparallel_wraps_the_model_on_cuda(monkeypatch):
+    """On CUDA the DataParallel scripts wrap what they replicate: the model, or with
+    --dp_scope features its convolutions alone."""
+    import train_DP
+    from alexnet import alexnet
+    from ampkit.technique import Parts
+
+    made = []
+
+    class Recorded(torch.nn.Module):  # DataParallel on 2 GPUs, as far as build() can tell
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+            made.append(module)
+
+    pretend_machine(monkeypatch, "cuda", 2)
+    monkeypatch.setattr(torch.nn, "DataParallel", Recorded)
+    for scope in ("model", "features"):
+        net = alexnet(num_classes=3)
+        replicated = net if scope == "model" else net.features
+        model = train_DP.build(Parts(net, dp_scope=scope, device=torch.device("cuda"))).model
+        wrapped = model if scope == "model" else model.features
+        assert isinstance(wrapped, Recorded) and made[-1] is replicated
+    cpu_net = alexnet(num_classes=3)
+    assert train_DP.build(Parts(cpu_net, device=torch.device("cpu"))).model is cpu_net
+    assert len(made) == 2
+
+
+def test_bfloat16_is_refused_where_the_gpu_only_emulates_it(monkeypatch):
+    """A V100 or T4 runs bfloat16 emulated, slower than float32; ``is_bf16_supported()``
+    says yes unless asked without emulation."""
+    from ampkit.precision import resolve_amp_dtype
+
+    pretend_machine(monkeypatch, "cuda", 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation)
+    with pytest.raises(UserError) as refused:
+        resolve_amp_dtype("bfloat16", torch.device("cuda"))
+    assert str(refused.value) == ("--amp_dtype bfloat16: Tesla V100-SXM2-16GB does not support "
+                                  "bfloat16 (use --amp_dtype float16)")
+    assert resolve_amp_dtype(None, torch.device("cuda")) is torch.float16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_amp_dtype("bfloat16", torch.device("cuda")) is torch.bfloat16  # Ampere on
+
+
+@pytest.mark.parametrize("answer, peak", [(0, None), (3 * 2**20, 3.0)])
+def test_a_device_without_allocator_statistics_has_no_peak(answer, peak, monkeypatch):
+    """``torch.accelerator.max_memory_allocated`` answers 0 where the allocator keeps no
+    statistics: "n/a", not a 0 MB peak."""
+    pretend_machine(monkeypatch, "xpu", 1)
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda index=None: answer)
+    assert peak_memory_mb(torch.device("xpu", 0)) == peak
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--tf32"], "--tf32 chooses CUDA's fp32 math"),
+    (["--no-tf32"], "--no-tf32 chooses CUDA's fp32 math"),
+    (["--dataset", "FakeData", "--num_workers", "2"], "--num_workers is for the classic"),
+    (["--dataset", "FakeData", "--skip_bad_images"], "--skip_bad_images is for the classic"),
+])
+def test_a_flag_this_run_would_ignore_is_one_line(flags, says, imagefolder_root, tmp_path):
+    res = run_main("train_without", *quick_flags(imagefolder_root, tmp_path, epochs=1), *flags)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.describe()

@@ -42,7 +42,7 @@ def test_skipped_steps_are_each_epochs_own():
     gen = torch.Generator().manual_seed(0)
     batches = [(1000 * torch.randn(4, 3, 16, 16, generator=gen),
                 torch.randint(0, 3, (4,), generator=gen)) for _ in range(12)]
-    meters, info = StepMeters(t.scaler, CPU), DistInfo(device=CPU)
+    meters, info = StepMeters(t.scaler), DistInfo(device=CPU)
     first = train_one_epoch(t.train_step, batches, info, max_nonfinite=None, meters=meters)
     second = train_one_epoch(t.train_step, batches, info, max_nonfinite=None, meters=meters)
     assert 1 <= first.skipped < 12, first

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
+import warnings
 
 import pytest
 import torch
@@ -56,10 +57,16 @@ def recording(model: nn.Module):
 
 
 def build(variant: str, model: nn.Module, dp_scope: str = "model",
-          amp_dtype: str | None = None) -> Technique:
-    """The variant's objects, as its training script's build() makes them."""
-    parts = Parts(model, nn.CrossEntropyLoss(), amp_dtype=amp_dtype, dp_scope=dp_scope, lr=0.0)
-    return importlib.import_module(variant).build(parts)
+          amp_dtype: str = "bfloat16") -> Technique:
+    """The variant's objects, as its training script's build() makes them; a DataParallel
+    script's as on CUDA, where it wraps the model (on this machine without GPUs the
+    DataParallel it builds calls the model as it is, in this thread)."""
+    cuda = variant.startswith("train_DP") and not variant.startswith("train_DDP")
+    parts = Parts(model, nn.CrossEntropyLoss(), amp_dtype=getattr(torch, amp_dtype),
+                  dp_scope=dp_scope, lr=0.0, device=torch.device("cuda" if cuda else "cpu"))
+    with warnings.catch_warnings():  # CUDA's autocast and GradScaler, disabled without a GPU
+        warnings.filterwarnings("ignore", ".*CUDA is not available", UserWarning)
+        return importlib.import_module(variant).build(parts)
 
 
 def bf16_ctx():

@@ -409,7 +409,7 @@ def _nan_model_run(variant: str):
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randn(2, 3, 64, 64, generator=gen), torch.randint(0, 3, (2,), generator=gen))
                for _ in range(8)]
-    return v.train_step, batches, DistInfo(device=cpu), StepMeters(v.scaler, cpu)
+    return v.train_step, batches, DistInfo(device=cpu), StepMeters(v.scaler)
 
 
 def test_nonfinite_loss_without_scaler_stops_with_clear_error():

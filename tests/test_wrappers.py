@@ -18,8 +18,10 @@ def _bare_keys():
 
 
 def _dp(dp_scope: str) -> nn.Module:
+    """train_DP's model as on CUDA, where it wraps (without GPUs, the DataParallel built
+    calls the model as it is)."""
     model = alexnet(num_classes=3)
-    parts = Parts(model, nn.CrossEntropyLoss(), dp_scope=dp_scope)
+    parts = Parts(model, nn.CrossEntropyLoss(), dp_scope=dp_scope, device=torch.device("cuda"))
     return train_DP.build(parts).model
 
 

@@ -186,10 +186,13 @@ def peak_memory_mb(device: torch.device, all_gpus: bool = False) -> Optional[flo
     the device keeps no such figure), or peak RSS on the CPU."""
     if device.type != "cpu":
         try:
-            return max(torch.accelerator.max_memory_allocated(i)
-                       for i in _devices(device, all_gpus)) / 2**20
+            peak = max(torch.accelerator.max_memory_allocated(i)
+                       for i in _devices(device, all_gpus))
         except (RuntimeError, NotImplementedError, AttributeError):
             return None
+        # A device whose allocator keeps no statistics answers 0: a training period always
+        # holds its weights.
+        return peak / 2**20 if peak > 0 else None
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

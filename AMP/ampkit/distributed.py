@@ -123,11 +123,15 @@ class StopVote:
         self.flag = flag
         # Every rank creates the group (a collective), at the same point of the run.
         self.group = dist.new_group(backend="gloo") if info.distributed else None
+        # One ballot, cast again once the last vote is read, filled in and read through
+        # numpy: a vote dispatches a single op, its all-reduce.
+        self._ballot = torch.zeros(1, dtype=torch.int32)
         self._pending: Optional[Tuple[dist.Work, torch.Tensor]] = None
         self._epochs_begun = 0
 
     def _send_vote(self) -> None:
-        mine = torch.tensor([self.flag.signum], dtype=torch.int32)
+        mine = self._ballot  # the previous vote on it has been read: _read_vote waited
+        mine.numpy()[0] = self.flag.signum
         work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._pending = work, mine
 
@@ -139,7 +143,7 @@ class StopVote:
         work, votes = self._pending
         self._pending = None
         work.wait()  # it arrived during the step since it was cast: no wait in practice
-        signum = int(votes.item())
+        signum = int(votes.numpy()[0])
         if signum:
             self.flag.agree(signal.Signals(signum).name)
         return bool(signum)

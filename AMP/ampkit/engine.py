@@ -1,10 +1,12 @@
 """The epoch loop around a script's training step, and the accuracy count.
 
 ``train_one_epoch`` runs a script's step (``ampkit.technique``) on the epoch's micro-batches,
-``accum_steps`` a step, without a host sync per step: the loss sums and counters stay on
-the device and are read every ``log_every`` steps and at the epoch's end. Its meters (a
-run's :class:`ampkit.meters.Meters`, or the :class:`StepMeters` alone) say where the epoch
-starts, count the steps a GradScaler skipped and record --profile's steps.
+``accum_steps`` a step, without a host sync per step: each step's loss and gradient norm
+stay on the device as the step returned them (:class:`StepFigures`), and are read on the
+host every ``log_every`` steps and at the epoch's end, within a ``HOST_READ`` span of the
+profiler. Its meters (a run's :class:`ampkit.meters.Meters`, or the :class:`StepMeters`
+alone) say where the epoch starts and whether a GradScaler skips steps, and record
+--profile's steps.
 """
 from __future__ import annotations
 
@@ -12,19 +14,24 @@ import contextlib
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
-from typing import ContextManager, Iterable, Iterator, Optional, Tuple
+from dataclasses import dataclass
+from typing import ContextManager, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from .device import DistInfo, synchronize
-from .distributed import StopVote, max_over_ranks, sum_over_ranks
+from .distributed import StopVote, gather_from_ranks, max_over_ranks
 from .errors import UserError
 from .log import progress_bar
 from .profiler import StepProfiler
 from .technique import MicroBatches, Step
+
+# The name of the span (torch.profiler.record_function) of each host read of the epoch: the
+# only host syncs of a training epoch, every log_every steps and at its end.
+HOST_READ = "ampkit: host read"
+
 
 class TrainingDiverged(UserError):
     """The loss stayed non-finite for several consecutive steps without a GradScaler."""
@@ -74,43 +81,53 @@ class TrainStats:
             norm_steps=before.norm_steps + self.norm_steps)
 
 
-@dataclass
-class _DeviceSums:
-    """The epoch's running sums, kept on the device (adding to them never syncs)."""
-    device: torch.device
-    loss_sum: torch.Tensor = field(init=False)   # sum of loss x images, finite steps only
-    norm_sum: torch.Tensor = field(init=False)   # gradient norms of the counted steps
-    norm_max: torch.Tensor = field(init=False)
-    images: torch.Tensor = field(init=False)
-    finite_images: torch.Tensor = field(init=False)
-    norm_steps: torch.Tensor = field(init=False)  # steps counted in the norm
-    nonfinite: torch.Tensor = field(init=False)  # steps with an inf/NaN loss or norm
-    bad_run: torch.Tensor = field(init=False)    # current run of consecutive such steps
-    worst_run: torch.Tensor = field(init=False)  # longest such run
+class StepFigures:
+    """An epoch's per-step figures: each step's loss and gradient norm as the step returns
+    them, kept on the device (adding a step costs no op and no sync), then read on the host
+    in one copy every ``log_every`` steps and summed there in double precision -- a device
+    may have no float64 at all (MPS, some Intel GPUs). ``scaled``: a GradScaler runs, and
+    it skips exactly the steps whose unscaled gradients hold an inf/NaN, the ones whose
+    gradient norm (taken after ``unscale_``) is inf/NaN: those are counted as skipped, and
+    their norm in no mean or maximum."""
 
-    def __post_init__(self) -> None:
-        for name in ("loss_sum", "norm_sum", "norm_max"):
-            setattr(self, name, torch.zeros((), dtype=torch.float64, device=self.device))
-        for name in ("images", "finite_images", "norm_steps", "nonfinite", "bad_run",
-                     "worst_run"):
-            setattr(self, name, torch.zeros((), dtype=torch.int64, device=self.device))
+    def __init__(self, scaled: bool) -> None:
+        self.scaled = scaled
+        self._pending: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.images = self.finite_images = self.norm_steps = 0
+        self.nonfinite = self.skipped = self.bad_run = self.worst_run = 0
+        self.loss_sum = self.norm_sum = 0.0  # loss x images of the finite steps; norms
+        self.norm_max = float("nan")
 
-    def add(self, loss: torch.Tensor, n: int, norm: torch.Tensor, skipped: torch.Tensor) -> None:
-        """One optimizer step over ``n`` images; ``skipped``: GradScaler skipped it (its norm,
-        of inf/NaN gradients, is not counted)."""
-        loss, norm = loss.detach().double(), norm.detach().double()
-        finite, finite_norm = torch.isfinite(loss), torch.isfinite(norm)
-        self.loss_sum += torch.where(finite, loss, torch.zeros_like(loss)) * n
-        self.images += n
-        self.finite_images += finite.long() * n
-        counted = finite_norm & ~skipped
-        self.norm_sum += torch.where(counted, norm, torch.zeros_like(norm))
-        self.norm_max = torch.maximum(self.norm_max, torch.where(counted, norm, self.norm_max))
-        self.norm_steps += counted.long()
-        bad = ~(finite & finite_norm)
-        self.nonfinite += bad.long()
-        self.bad_run = torch.where(bad, self.bad_run + 1, torch.zeros_like(self.bad_run))
-        self.worst_run = torch.maximum(self.worst_run, self.bad_run)
+    def add(self, loss: torch.Tensor, norm: torch.Tensor, images: int) -> None:
+        """One optimizer step over ``images`` images."""
+        self._pending.append((loss, norm, images))
+
+    def read(self) -> None:
+        """The steps added since the last read, onto the host: the run's host sync."""
+        if not self._pending:
+            return
+        values = torch.stack([t for loss, norm, _ in self._pending for t in (loss, norm)])
+        values = values.tolist()
+        for (loss, norm), (_, _, n) in zip(zip(values[::2], values[1::2]), self._pending):
+            finite_loss, finite_norm = math.isfinite(loss), math.isfinite(norm)
+            self.images += n
+            if finite_loss:
+                self.loss_sum += loss * n
+                self.finite_images += n
+            if finite_norm:
+                self.norm_sum += norm
+                self.norm_max = norm if math.isnan(self.norm_max) else max(self.norm_max, norm)
+                self.norm_steps += 1
+            self.skipped += self.scaled and not finite_norm
+            bad = not (finite_loss and finite_norm)
+            self.nonfinite += bad
+            self.bad_run = self.bad_run + 1 if bad else 0
+            self.worst_run = max(self.worst_run, self.bad_run)
+        self._pending.clear()
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.finite_images if self.finite_images else float("nan")
 
 
 def _diverged(worst: int, step: int) -> TrainingDiverged:
@@ -119,48 +136,15 @@ def _diverged(worst: int, step: int) -> TrainingDiverged:
                             "the gradients (--clip_grad) or use a GradScaler variant")
 
 
-class SkippedSteps:
-    """Counts the optimizer steps a GradScaler skipped (inf/NaN gradients), on the device.
-
-    Why not ``scaler.get_scale()``: it returns a Python float, so calling it after every
-    step would make the host wait for the GPU at every step. The scale is a tensor on the
-    device (GradScaler's private ``_scale``; there is no public accessor for the tensor),
-    and ``update()`` halves it exactly when ``step()`` was skipped, so comparing it
-    before and after a step counts the skips without a sync. ``scaler=None`` or a
-    disabled scaler: counts nothing.
-    """
-
-    def __init__(self, scaler: Optional[torch.amp.GradScaler], device: torch.device) -> None:
-        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.count = torch.zeros((), dtype=torch.int64, device=device)
-        self.last = torch.zeros((), dtype=torch.bool, device=device)  # the last step skipped
-        self._scale: Optional[torch.Tensor] = None
-
-    @contextlib.contextmanager
-    def watch(self) -> Iterator[None]:
-        """Around one optimizer step."""
-        if self.scaler is None:
-            yield
-            return
-        before = self._scale
-        if before is None:  # before the first step the scale is still a float: no sync
-            before = torch.tensor(self.scaler.get_scale(), device=self.count.device)
-        yield
-        after = self.scaler._scale
-        self.last = (after < before).squeeze()
-        self.count += self.last.long()
-        self._scale = after.clone()
-
-
 class StepMeters:
-    """What ``train_one_epoch`` meters besides its sums: the steps ``scaler`` skipped (one
-    counter for the whole run: the scale carries over from epoch to epoch), ``profiler``'s
-    steps (None: none), and where an epoch starts (here: at its first step; a run's
-    :class:`ampkit.meters.Meters` knows a resumed epoch's)."""
+    """What ``train_one_epoch`` meters besides its figures: whether ``scaler`` (a GradScaler,
+    or None) skips steps, ``profiler``'s steps (None: none), and where an epoch starts
+    (here: at its first step; a run's :class:`ampkit.meters.Meters` knows a resumed
+    epoch's)."""
 
-    def __init__(self, scaler: Optional[torch.amp.GradScaler], device: torch.device,
+    def __init__(self, scaler: Optional[torch.amp.GradScaler],
                  profiler: Optional[StepProfiler] = None) -> None:
-        self.skipped = SkippedSteps(scaler, device)
+        self.scaled = scaler is not None and scaler.is_enabled()
         self._profiler = profiler
 
     def begin_epoch(self, epoch: int) -> int:
@@ -200,18 +184,17 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, epoch
     rank (``TrainStats.stopped_at``). ``max_nonfinite=None``: no divergence check (a
     GradScaler skips the bad steps instead). The figures returned include a resumed epoch's
     before its stop."""
-    device, meters = info.device, meters or StepMeters(None, info.device)
+    device, meters = info.device, meters or StepMeters(None)
     start_step = meters.begin_epoch(epoch)
     if hasattr(loader, "start_at"):  # a training loader (a list of batches starts at 0)
         loader.start_at(start_step * accum_steps)
-    sums, skipped = _DeviceSums(device), meters.skipped
-    skipped.count.zero_()  # this call's skips; the scaler's last scale carries over
+    figures = StepFigures(meters.scaled)
     before = meters.before(epoch)
     synchronize(device)
     t0 = time.perf_counter()
     step, steps_done, stopped_at, data_seconds = start_step, 0, None, 0.0
     if stop is not None and stop.before_epoch():  # a signal since the last epoch's steps
-        return _epoch_stats(sums, skipped, info, max_nonfinite, step, t0,
+        return _epoch_stats(figures, info, max_nonfinite, step, t0,
                             dict(steps=0, stopped_at=step)).after(_so_far(before))
     total = (start_step + math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__")
              else None)
@@ -222,9 +205,8 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, epoch
     with profiler or contextlib.nullcontext(), bar:  # the bar closes first, then a report
         for micro_batches, waited in micro_batches_by_step(loader, accum_steps):
             data_seconds += waited  # host time waiting for input
-            with skipped.watch():
-                loss, norm = train_step(micro_batches)
-            sums.add(loss, sum(y.shape[0] for _, y in micro_batches), norm, skipped.last)
+            loss, norm = train_step(micro_batches)
+            figures.add(loss, norm, sum(y.shape[0] for _, y in micro_batches))
             step, steps_done = step + 1, steps_done + 1
             bar.update(1)
             if profiler is not None:
@@ -233,11 +215,11 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, epoch
                 stopped_at = step
                 break
             if step % log_every == 0:
-                _host_check(sums, bar, info, max_nonfinite, step)
+                _host_check(figures, bar, info, max_nonfinite, step)
     # Asked during the last step? (Always called: it takes the vote still in flight.)
     if stop is not None and stop.any_rank_asked() and stopped_at is None:
         stopped_at = step
-    return _epoch_stats(sums, skipped, info, max_nonfinite, step, t0,
+    return _epoch_stats(figures, info, max_nonfinite, step, t0,
                         dict(steps=steps_done, stopped_at=stopped_at,
                              data_seconds=data_seconds)).after(_so_far(before))
 
@@ -246,36 +228,42 @@ def _so_far(before: Optional[dict]) -> Optional[TrainStats]:
     return TrainStats(**before) if before else None
 
 
-def _epoch_stats(sums: _DeviceSums, skipped: SkippedSteps, info: DistInfo,
-                 max_nonfinite: Optional[int], step: int, t0: float, kw: dict) -> TrainStats:
-    """The epoch's figures, summed over the ranks: the epoch's one host sync."""
-    totals = sum_over_ranks(torch.stack([sums.images.double(), sums.finite_images.double(),
-                                         skipped.count.double(), sums.nonfinite.double(),
-                                         sums.loss_sum]), info)
-    worst = int(max_over_ranks(sums.worst_run.clone(), info).item())
-    norms = torch.stack([sums.norm_sum, sums.norm_steps.double(), sums.norm_max]).tolist()
+def _epoch_stats(figures: StepFigures, info: DistInfo, max_nonfinite: Optional[int],
+                 step: int, t0: float, kw: dict) -> TrainStats:
+    """The epoch's figures over the ranks: every rank's gathered and added up on the host, in
+    rank order (the same exact sums on every rank). Steps are skipped, and gradient norms
+    taken, alike on every rank (the gradients are the reduced ones): rank 0's."""
+    with torch.profiler.record_function(HOST_READ):
+        figures.read()
+        ranks = gather_from_ranks([(figures.images, figures.finite_images, figures.loss_sum,
+                                    figures.nonfinite, figures.worst_run)], info)
     synchronize(info.device)
     seconds = time.perf_counter() - t0
-    images, finite_images, n_skipped, nonfinite, loss_total = totals.tolist()
+    images, finite_images, loss_sum = (sum(r[i] for r in ranks) for i in range(3))
+    worst = max(r[4] for r in ranks)
     if max_nonfinite is not None and worst >= max_nonfinite:
         raise _diverged(worst, step)
-    nan = float("nan")
-    return TrainStats(loss=loss_total / finite_images if finite_images else nan,
-                      images=int(images), seconds=seconds, skipped=int(n_skipped),
-                      nonfinite=int(nonfinite), grad_norm_mean=norms[0] / norms[1]
-                      if norms[1] else nan, grad_norm_max=norms[2] if norms[1] else nan,
-                      finite_images=int(finite_images), norm_steps=int(norms[1]), **kw)
+    nan, counted = float("nan"), figures.norm_steps
+    return TrainStats(loss=loss_sum / finite_images if finite_images else nan,
+                      images=images, seconds=seconds, skipped=figures.skipped,
+                      nonfinite=max(r[3] for r in ranks),
+                      grad_norm_mean=figures.norm_sum / counted if counted else nan,
+                      grad_norm_max=figures.norm_max if counted else nan,
+                      finite_images=finite_images, norm_steps=counted, **kw)
 
 
-def _host_check(sums: _DeviceSums, bar: tqdm, info: DistInfo, max_nonfinite: Optional[int],
-                step: int) -> None:
-    """The host sync point, every log_every steps (never every step): the progress bar's
-    loss and the divergence check, which all ranks reach at the same step and pass or fail
-    together."""
-    worst = int(max_over_ranks(sums.worst_run.clone(), info).item())
+def _host_check(figures: StepFigures, bar: tqdm, info: DistInfo,
+                max_nonfinite: Optional[int], step: int) -> None:
+    """The host sync point, every log_every steps (never every step): the steps' figures
+    read, the progress bar's loss and the divergence check, which all ranks reach at the
+    same step and pass or fail together."""
+    with torch.profiler.record_function(HOST_READ):
+        figures.read()
+        worst = figures.worst_run
+        if info.distributed:
+            worst = int(max_over_ranks(torch.tensor(worst, device=info.device), info).item())
     if info.is_main:
-        mean = sums.loss_sum / sums.finite_images.clamp(min=1)
-        bar.set_postfix(loss=f"{mean.item():.4f}")
+        bar.set_postfix(loss=f"{figures.mean_loss:.4f}")
     if max_nonfinite is not None and worst >= max_nonfinite:
         raise _diverged(worst, step)
 
@@ -297,7 +285,8 @@ def count_correct(model: nn.Module, loader: Iterable, info: DistInfo,
     counts = torch.zeros(2, dtype=torch.int64, device=device)
     forwards = len(loader)
     if info.distributed:  # one host read per validation
-        forwards = int(max_over_ranks(torch.tensor(forwards, device=device), info).item())
+        with torch.profiler.record_function(HOST_READ):
+            forwards = int(max_over_ranks(torch.tensor(forwards, device=device), info).item())
     batches, padding = iter(loader), None
     for _ in progress_bar(range(forwards), desc=desc, disable=not info.is_main):
         batch = next(batches, None)  # None: this rank's shard has run out

@@ -145,8 +145,10 @@ def header_line(variant: str, technique, data, info, *, accum_steps: int,
     device, amp_dtype = info.device, technique.amp_dtype
     gpu = device.type == "cuda"
     dp = any(isinstance(m, torch.nn.DataParallel) for m in technique.model.modules())
-    gpus = (f" x{torch.cuda.device_count()} GPUs" if dp and gpu else
-            " (DataParallel on the CPU calls the model as it is)" if dp else "")
+    dp_script = variant.startswith("train_DP") and not variant.startswith("train_DDP")
+    gpus = (f" x{torch.cuda.device_count()} GPUs" if dp else
+            f" (DataParallel is CUDA's: on the {device.type} the model runs as it is)"
+            if dp_script else "")
     dtype = f" ({str(amp_dtype)[6:]})" if amp_dtype is not None else (f" ({fp32_math})" if gpu
                                                                         else "")
     batch = data.batch_size

@@ -39,7 +39,7 @@ class Meters(StepMeters):
         self.global_batch = data.batch_size * accum_steps * info.world_size
         profiler = (StepProfiler(profile_dir / f"trace_rank{info.rank}.json", info.device,
                                  say=log.print) if profile_dir is not None else None)
-        super().__init__(technique.scaler, info.device, profiler)
+        super().__init__(technique.scaler, profiler)
         self.flops_per_image = arch_flops_per_image(arch, data.num_classes, data.image_shape)
         self.dp = any(isinstance(m, nn.DataParallel) for m in technique.model.modules())
         log.warn(slow_bf16(technique.amp_dtype, info.device))

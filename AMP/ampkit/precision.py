@@ -6,6 +6,7 @@ replica threads), whether this CPU has native bfloat16, and CUDA's fp32 math (TF
 from __future__ import annotations
 
 import functools
+import inspect
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -33,12 +34,16 @@ def resolve_amp_dtype(name: Optional[str], device: torch.device) -> torch.dtype:
 
 
 def _bf16_supported(device: torch.device) -> bool:
-    """CUDA and XPU say so themselves; MPS computes in bfloat16 from macOS 14 on, and an
-    older one refuses a bfloat16 tensor."""
+    """CUDA and XPU say so themselves, counting no emulation: by default
+    ``is_bf16_supported()`` says yes on a V100 or T4 too, where bfloat16 is emulated and
+    slower than float32. MPS computes in bfloat16 from macOS 14 on, and an older one refuses
+    a bfloat16 tensor."""
     if device.type == "cpu":
         return True
     check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
     if check is not None:
+        if "including_emulation" in inspect.signature(check).parameters:
+            return bool(check(including_emulation=False))
         return bool(check())
     try:
         torch.ones(1, dtype=torch.bfloat16, device=device).add_(1)
@@ -110,8 +115,14 @@ def set_tf32(enabled: Optional[bool]) -> str:
 
 def set_cuda_math(tf32: Optional[bool], device: torch.device) -> str:
     """A run's CUDA math: ``set_tf32(tf32)``, and cuDNN picks its convolution kernels for
-    the run's fixed input size; the fp32 math's label ("" on the CPU)."""
+    the run's fixed input size; the fp32 math's label ("" off CUDA, where --tf32 and
+    --no-tf32 would change nothing: refused in one line)."""
     if device.type != "cuda":
+        if tf32 is not None:
+            flag = "--tf32" if tf32 else "--no-tf32"
+            raise UserError(f"{flag} chooses CUDA's fp32 math (TF32 tensor cores or full "
+                            f"fp32); this run is on the {device.type}, whose fp32 is fp32: "
+                            "leave it out")
         return ""
     torch.backends.cudnn.benchmark = True
     return set_tf32(tf32)

@@ -38,18 +38,17 @@ class Parts:
     dp_scope: str = "model"               # --dp_scope (DataParallel scripts)
     comm_hook: CommHook = field(default_factory=CommHook)  # --comm_hook (DDP scripts)
     reduce_dtype: Union[torch.dtype, str] = torch.float32  # --reduce_dtype (FSDP2 mixed)
+    device: Optional[torch.device] = None  # the run's (None: where the network is)
 
     def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = next(self.network.parameters()).device
         if self.lr is None:
             self.lr = DEFAULT_LR
         if not isinstance(self.amp_dtype, torch.dtype):
             self.amp_dtype = resolve_amp_dtype(self.amp_dtype, self.device)
         if isinstance(self.reduce_dtype, str):
             self.reduce_dtype = getattr(torch, self.reduce_dtype)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.network.parameters()).device
 
 
 @dataclass

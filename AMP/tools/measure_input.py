@@ -137,15 +137,16 @@ def measure_input_pipeline(kind: str, *, root: Optional[Path] = None, img_size: 
         with _ctrl_c_between_batches() as ctrl_c:
             try:
                 for _ in range(warmup):  # worker start-up, first allocations: not counted
-                    next(batches)[0].to(device, non_blocking=True)
+                    x = next(batches)[0]
+                    x.to(device, non_blocking=x.is_pinned())
                     ctrl_c()
                 synchronize(device)
                 t0 = time.perf_counter()
                 images = 0
                 for _ in range(max_batches if max_batches is not None else len(loader)):
                     x, y = next(batches)
-                    images += x.to(device, non_blocking=True).shape[0]
-                    y.to(device, non_blocking=True)
+                    images += x.to(device, non_blocking=x.is_pinned()).shape[0]
+                    y.to(device, non_blocking=y.is_pinned())
                     ctrl_c()
                 synchronize(device)
                 seconds = time.perf_counter() - t0

@@ -166,7 +166,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
         res.note += "; DDP all-reduces every micro-batch (no no_sync)"
     hook = CommHook(comm_hook, powersgd_rank=powersgd_rank, start_iter=2)
     t, pool, flops = _built(variant, res, device, num_classes, lr, amp_dtype, hook)
-    meters = StepMeters(t.scaler, device)  # the skipped steps, counted as in training
+    meters = StepMeters(t.scaler)  # the skipped steps, counted as in training
     vote = StopVote(StopFlag(), info)  # as in training: the ranks' stop vote every step
 
     def run(n: int, meters: StepMeters = meters, **kw):  # n steps, over the pool in turn
@@ -191,7 +191,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
         res.comm_hook, res.wire_mb_per_step = comm_hook, hook.per_step().get("wire_mb_per_step")
     if profile is not None:  # started and stopped by train_one_epoch
         profiler = StepProfiler(profile, device)
-        run(profiler.needed, StepMeters(t.scaler, device, profiler), desc=f"{variant} profile")
+        run(profiler.needed, StepMeters(t.scaler, profiler), desc=f"{variant} profile")
         print(profiler.report(), flush=True)
     peak = peak_tflops_fp32 if res.precision == "fp32" else peak_tflops
     if peak:

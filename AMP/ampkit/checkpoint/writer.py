@@ -207,7 +207,9 @@ class Snapshot:
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned(t.device))
                 self._buffers[key] = buf
-            return buf.copy_(t, non_blocking=pinned(t.device))
+            # Asynchronous only into pinned memory: from the device into pageable memory
+            # the copy could still be landing when the writer reads the buffer.
+            return buf.copy_(t, non_blocking=buf.is_pinned())
         if isinstance(obj, dict):
             return {k: self._copy(v, key + (k,)) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):

@@ -93,8 +93,11 @@ class CheckedLoader:
                                "delete it, or pass --skip_bad_images to go on without it")
             self.unreadable += bad
             if images is not None:
-                yield (images.to(self.device, non_blocking=True, memory_format=self.memory_format),
-                       targets.to(self.device, non_blocking=True))
+                # Asynchronous only from pinned memory (the loader pins on CUDA and XPU): from
+                # pageable memory a non-blocking copy may read it after it is freed (MPS).
+                yield (images.to(self.device, non_blocking=images.is_pinned(),
+                                 memory_format=self.memory_format),
+                       targets.to(self.device, non_blocking=targets.is_pinned()))
 
 
 def _loader(dataset: Dataset, sampler: Sampler, *, batch_size: int, num_workers: int,

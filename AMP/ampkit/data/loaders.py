@@ -52,13 +52,31 @@ class Loaders:
         return taken
 
 
+def loader_kind(dataset: str, loader: str) -> str:
+    """The input path ``--loader`` takes for ``dataset``: ``auto`` is the fast one for the data
+    sets held whole on the device (CIFAR10, FakeData), the classic one for ImageFolder."""
+    return ("fast" if dataset in NUM_CLASSES else "classic") if loader == "auto" else loader
+
+
+def check_loader_flags(kind: str, *, num_workers: Optional[int], skip_bad: bool) -> None:
+    """``--num_workers`` and ``--skip_bad_images`` are the classic path's: with the fast one,
+    which has no workers and reads no image files, each is one line."""
+    if kind == "fast" and (num_workers is not None or skip_bad):
+        flag = "--num_workers" if num_workers is not None else "--skip_bad_images"
+        raise UserError(f"{flag} is for the classic DataLoader input path; this run takes the "
+                        "fast one (--loader fast, the default for CIFAR10 and FakeData), which "
+                        "has no worker processes and reads no image files: leave it out, or "
+                        "give --loader classic")
+
+
 def build_loaders(name: str, root: Path, img_size: int, batch_size: int, info: DistInfo, *,
                   loader: str = "auto", num_workers: Optional[int] = None,
                   channels_last: bool = False, train: bool = True,
                   skip_bad: bool = False) -> Loaders:
     """The validation loader and (unless ``train=False``) the training set, fast or classic;
     CIFAR-10 downloaded by local rank 0 (the caller runs it first: ``local_main_first``)."""
-    kind = ("fast" if name in NUM_CLASSES else "classic") if loader == "auto" else loader
+    kind = loader_kind(name, loader)
+    check_loader_flags(kind, num_workers=num_workers, skip_bad=skip_bad)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     if kind == "fast":
         train_set, val_dl, num_classes = fast_loaders(name, root, img_size, batch_size, info,

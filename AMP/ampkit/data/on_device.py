@@ -123,7 +123,9 @@ class DeviceLoader:
         if pinned(self.device):
             # Pinned, so the copy is asynchronous: not even the epoch start waits for the GPU.
             host = [t.pin_memory() for t in host]
-        on_device = [t.to(self.device, non_blocking=True) for t in host]
+        # Asynchronous only from pinned memory: from pageable memory a non-blocking copy may
+        # read it after it is freed (MPS).
+        on_device = [t.to(self.device, non_blocking=t.is_pinned()) for t in host]
         return on_device[0], (on_device[1] if self.train else None)
 
     def transform(self, batch_u8: torch.Tensor, flip: Optional[torch.Tensor] = None) -> torch.Tensor:
