@@ -81,6 +81,7 @@ def time_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
                     channels_last=args.channels_last, compile=args.compile,
                     dp_scope=args.dp_scope, accum_steps=args.accum_steps,
                     keep_sync=args.keep_sync, comm_hook=hook, powersgd_rank=args.powersgd_rank,
+                    busy=args.busy,
                     profile=args.profile_dir / f"trace_{variant}{hook_suffix}.json"
                     if args.profile else None)
                 print(f"  {name}: {r.step_ms:.1f} ms/step, {r.images_per_s:.1f} images/s",
@@ -119,7 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"CPU ({torch.get_num_threads()} torch threads)")
     extras = [name for name, on in (("channels_last", args.channels_last),
-                                    ("torch.compile", args.compile)) if on]
+                                    (f"torch.compile ({args.compile})", args.compile)) if on]
     print(f"benchmark.py: {len(args.variant_list)} variant(s) of {args.arch} on {where}, batch "
           f"{args.batch_size} "
           f"at {args.img_size}px, {args.warmup} warm-up + {args.steps} timed steps, torch "

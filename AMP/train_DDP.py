@@ -40,32 +40,34 @@ def build(parts: Parts) -> Technique:
     # A whole replica per process, already on its device (the article wrapped the model,
     # then moved it); backward() averages the gradients over the processes.
     model = DistributedDataParallel(parts.network)
-    # What the all-reduce sends, bucket by bucket (--comm_hook): the fp32 gradients,
-    # cast to fp16/bf16 and back (half the bytes), or PowerSGD's low-rank factors.
-    model.register_comm_hook(parts.comm_hook.state, parts.comm_hook.hook)
+    # What the all-reduce sends, bucket by bucket (--comm_hook): the fp32 gradients by
+    # DDP's own all-reduce (in C++: a Python hook would add ~20 ops a step), or a hook's
+    # fp16/bf16 cast (half the bytes) or PowerSGD's low-rank factors.
+    if parts.comm_hook.name != "none":
+        model.register_comm_hook(parts.comm_hook.state, parts.comm_hook.hook)
     criterion = parts.criterion
     optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
 
     def forward_backward(images, targets, weight):
-        loss = criterion(model(images), targets) * weight
-        loss.backward()
+        loss = criterion(model(images), targets)
+        loss.backward(torch.full_like(loss, weight))
         return loss.detach()
 
     def train_step(micro_batches):
         n = sum(len(y) for _, y in micro_batches)
         optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        losses = []
         # All micro-batches but the last inside no_sync, forward too: one all-reduce a
         # step, of the summed gradients.
         for i, (x, y) in enumerate(micro_batches):
             with model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
-                loss += forward_backward(x, y, len(y) / n)
+                losses.append(forward_backward(x, y, len(y) / n))
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
         if parts.clip_grad is not None:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
         optimizer.step()
-        return loss, norm
+        return losses, norm
 
     return Technique(model, optimizer, train_step)
 
@@ -127,7 +129,7 @@ def main(argv=None):
                   stop_vote(run.info, log.print) as vote):
                 restore(resumed, technique, scheduler, log, args=args, comm_hook=comm_hook)
                 if args.compile:
-                    compile_in_place(technique.model)
+                    compile_in_place(technique.model, mode=args.compile)
                 meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
                                 accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
                                 comm_hook=comm_hook, fp32_math=fp32_math,

@@ -48,16 +48,16 @@ def build(parts: Parts) -> Technique:
 
     def forward_backward(images, targets, weight):
         with autocast:
-            loss = criterion(model(images), targets) * weight
-        scaler.scale(loss).backward()
+            loss = criterion(model(images), targets)
+        scaler.scale(loss).backward(torch.full_like(loss, weight))
         return loss.detach()
 
     def train_step(micro_batches):
         n = sum(len(y) for _, y in micro_batches)
         optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        losses = []
         for x, y in micro_batches:
-            loss += forward_backward(x, y, len(y) / n)
+            losses.append(forward_backward(x, y, len(y) / n))
         scaler.unscale_(optimizer)
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
@@ -65,7 +65,7 @@ def build(parts: Parts) -> Technique:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
         scaler.step(optimizer)
         scaler.update()
-        return loss, norm
+        return losses, norm
 
     return Technique(model, optimizer, train_step, autocast, scaler)
 
@@ -107,7 +107,7 @@ def main(argv=None):
               stop_vote(run.info, log.print) as vote):
             restore(resumed, technique, scheduler, log, args=args)
             if args.compile:
-                compile_in_place(technique.model)
+                compile_in_place(technique.model, mode=args.compile)
             meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
                             accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
                             fp32_math=fp32_math,

@@ -55,19 +55,19 @@ def build(parts: Parts) -> Technique:
                                   enabled=torch.float16 in (dtype, reduce))
 
     def forward_backward(images, targets, weight):
-        loss = criterion(model(images), targets) * weight
-        scaler.scale(loss).backward()
+        loss = criterion(model(images), targets)
+        scaler.scale(loss).backward(torch.full_like(loss, weight))
         return loss.detach()
 
     def train_step(micro_batches):
         n = sum(len(y) for _, y in micro_batches)
         optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        losses = []
         for i, (x, y) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
-            loss += forward_backward(x, y, len(y) / n)
+            losses.append(forward_backward(x, y, len(y) / n))
         scaler.unscale_(optimizer)
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None]).full_tensor()
@@ -75,7 +75,7 @@ def build(parts: Parts) -> Technique:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
         scaler.step(optimizer)
         scaler.update()
-        return loss, norm
+        return losses, norm
 
     return Technique(model, optimizer, train_step,
                      scaler=scaler if scaler.is_enabled() else None, amp_dtype=dtype)
@@ -127,7 +127,7 @@ def main(argv=None):
                   stop_vote(run.info, log.print) as vote):
                 restore(resumed, technique, scheduler, log, args=args)
                 if args.compile:
-                    compile_in_place(technique.model)
+                    compile_in_place(technique.model, mode=args.compile)
                 meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
                                 accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
                                 fp32_math=fp32_math,

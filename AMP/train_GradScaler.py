@@ -41,17 +41,17 @@ def build(parts: Parts) -> Technique:
 
     def forward_backward(images, targets, weight):
         with autocast:
-            loss = criterion(model(images), targets) * weight
+            loss = criterion(model(images), targets)
         # The gradients of loss x scale: fp16 gradients too small for fp16 survive.
-        scaler.scale(loss).backward()
+        scaler.scale(loss).backward(torch.full_like(loss, weight))
         return loss.detach()
 
     def train_step(micro_batches):
         n = sum(len(y) for _, y in micro_batches)
         optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        losses = []
         for x, y in micro_batches:
-            loss += forward_backward(x, y, len(y) / n)
+            losses.append(forward_backward(x, y, len(y) / n))
         # Unscaled once a step, after its last backward() and before anything reads the
         # gradients (never per micro-batch).
         scaler.unscale_(optimizer)
@@ -63,7 +63,7 @@ def build(parts: Parts) -> Technique:
         # scale (and doubles it after 2000 good steps).
         scaler.step(optimizer)
         scaler.update()
-        return loss, norm
+        return losses, norm
 
     return Technique(model, optimizer, train_step, autocast, scaler)
 
@@ -103,7 +103,7 @@ def main(argv=None):
               stop_vote(run.info, log.print) as vote):
             restore(resumed, technique, scheduler, log, args=args)
             if args.compile:
-                compile_in_place(technique.model)
+                compile_in_place(technique.model, mode=args.compile)
             meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
                             accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
                             fp32_math=fp32_math,

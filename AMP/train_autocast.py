@@ -40,22 +40,22 @@ def build(parts: Parts) -> Technique:
         # The forward pass and the loss under autocast; backward() needs none, as it
         # follows the forward's dtypes.
         with autocast:
-            loss = criterion(model(images), targets) * weight
-        loss.backward()
+            loss = criterion(model(images), targets)
+        loss.backward(torch.full_like(loss, weight))
         return loss.detach()
 
     def train_step(micro_batches):
         n = sum(len(y) for _, y in micro_batches)
         optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        losses = []
         for x, y in micro_batches:
-            loss += forward_backward(x, y, len(y) / n)
+            losses.append(forward_backward(x, y, len(y) / n))
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
         if parts.clip_grad is not None:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
         optimizer.step()
-        return loss, norm
+        return losses, norm
 
     return Technique(model, optimizer, train_step, autocast)
 
@@ -94,7 +94,7 @@ def main(argv=None):
               stop_vote(run.info, log.print) as vote):
             restore(resumed, technique, scheduler, log, args=args)
             if args.compile:
-                compile_in_place(technique.model)
+                compile_in_place(technique.model, mode=args.compile)
             meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
                             accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
                             fp32_math=fp32_math,

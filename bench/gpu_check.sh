@@ -5,9 +5,9 @@
 # scripts, and the CUDA tests.
 #   bash bench/gpu_check.sh              # on the GPU (device tool: timeout_s 600)
 #   bash bench/gpu_check.sh --dry-run    # the same steps on the CPU at toy sizes: checks the
-#                                        # script before GPU time is spent (3 min 31 s, 20
+#                                        # script before GPU time is spent (3 min 18 s, 21
 #                                        # steps passed, on this project's 2-core machine,
-#                                        # 2026-12-01: time OUT=/tmp/dryout bash ... --dry-run)
+#                                        # 2026-12-05: time OUT=/tmp/dryout bash ... --dry-run)
 # $OUT (default ./gpu_out) receives two files, as the device tool brings back at most 8:
 # summary.txt (first the verdict; every step's command, result lines, exit status, or why
 # it was skipped; at the end the figures as markdown tables, each step's status, and the
@@ -23,7 +23,10 @@
 #   1. the step benchmark at 227, batch 256, every row with its speed-up over the fp32 row
 #      of its parallel mode and its share of the GPU's peak (by name, ampkit/flops.py):
 #      single device, DataParallel, DDP and FSDP2 (one-process NCCL groups) in fp32 /
-#      fp16 / fp16 + GradScaler; channels_last; bf16; fp32 without TF32;
+#      fp16 / fp16 + GradScaler; then where a step's time goes at the scripts' own batch
+#      (64 at 227 px): the share of the wall time the GPU ran kernels (torch.profiler),
+#      train_autocast eager, with --compile and with --compile reduce-overhead (CUDA
+#      graphs), and which is fastest; channels_last; bf16; fp32 without TF32;
 #   2. pytest -m cuda (the only step that asserts);
 #   3. a real run of the fastest single-device configuration of step 1: 2 epochs of 50,000
 #      generated (learnable) CIFAR-format images at 227, fast input path;
@@ -34,8 +37,7 @@
 #      eval_DP; SIGTERM mid-run (exit 143), then --resume to the end of that epoch;
 #   5. the input pipeline alone (article PIL path, classic DataLoader with as many workers
 #      as /dev/shm holds, fast);
-#   6. --compile, in training and in the benchmark, in one configuration (the fastest, with
-#      --tf32): the second compiles warm.
+#   6. --compile in training, in one configuration (the fastest, with --tf32).
 # Uses whatever python3 has torch (the device machine: torch 2.11, no network).
 set -u
 cd "$(dirname "$0")/.."
@@ -53,11 +55,13 @@ if [ $DRY = 1 ]; then
   PIPE_B=2; WORKERS=1; PEAK="--peak_tflops 1 --peak_tflops_fp32 1"
   S_TRAIN=4; S_TEST=2; S_IMG=64; S_BS=2
   TF32=""; NO_TF32=""  # CUDA's fp32 math: refused on the CPU
+  BUSY_BS=2
 else
   DEV=--cuda; IMG=227; BS=256; STEPS="--steps 30 --warmup 10"; NTRAIN=50000; NTEST=10000
   PIPE_B=30; WORKERS=8; PEAK=""  # the peaks: by the GPU's name (ampkit/flops.py)
   S_TRAIN=2560; S_TEST=512; S_IMG=128; S_BS=64  # the short runs: data, image size, batch
   TF32=--tf32; NO_TF32=--no-tf32
+  BUSY_BS=64  # the scripts' default batch
 fi
 source bench/steps.sh
 
@@ -70,6 +74,41 @@ B="python3 AMP/benchmark.py $DEV --img_size $IMG --batch_size $BS $STEPS --pipel
 run bench_fp16 150 $B $PEAK --variants train_without,train_autocast,train_GradScaler,train_DP,train_DP_autocast,\
 train_DDP,train_DDP_GradScaler,train_FSDP,train_FSDP_GradScaler --json "$WORK/bench_fp16.json"
 keep "$WORK/bench_fp16.txt" 16
+# Where a step's time goes, at the scripts' own batch: the share of the wall time the GPU
+# ran kernels (the rest it waited for the host), eager, compiled, and replayed as CUDA
+# graphs (one device: DataParallel, DDP and FSDP2 refuse them in one line). A dry run on
+# the CPU has no kernels to see (busy "-") and no CUDA graphs to replay.
+BB="python3 AMP/benchmark.py $DEV --img_size $IMG --batch_size $BUSY_BS $STEPS --pipeline none --busy"
+run busy_eager 45 $BB $PEAK --variants train_autocast,train_GradScaler --json "$WORK/busy_eager.json"
+keep "$WORK/busy_eager.txt" 5
+run busy_compile 100 $BB $PEAK --compile --variants train_autocast --json "$WORK/busy_compile.json"
+keep "$WORK/busy_compile.txt" 4
+if [ $DRY = 1 ]; then
+  log "busy_graphs: not in a dry run (CUDA graphs are CUDA's; the CPU refuses them in one line)"
+else
+  run busy_graphs 100 $BB $PEAK --compile reduce-overhead --variants train_autocast \
+    --json "$WORK/busy_graphs.json"
+  keep "$WORK/busy_graphs.txt" 4
+fi
+python3 - "$WORK" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+import json, pathlib, sys
+rows = []
+for mode in ("eager", "compile", "graphs"):
+    try:
+        steps = json.loads((pathlib.Path(sys.argv[1]) / f"busy_{mode}.json").read_text())["steps"]
+    except (OSError, ValueError, KeyError):
+        continue
+    rows += [(s["variant"], mode, s) for s in steps if s.get("status") == "ok"]
+for variant in dict.fromkeys(v for v, _, _ in rows):
+    mine = [(m, s) for v, m, s in rows if v == variant]
+    for m, s in mine:
+        busy = "-" if s.get("gpu_busy") is None else f"{100 * s['gpu_busy']:.0f}%"
+        print(f"busy: {variant} {m}: {s['step_ms']:.2f} ms/step, {s['images_per_s']:.0f} "
+              f"images/s, GPU busy {busy}")
+    fastest = min(mine, key=lambda ms: ms[1]["step_ms"])
+    print(f"busy: fastest {variant}: {fastest[0]} ({fastest[1]['step_ms']:.2f} ms/step)")
+PY
+
 run bench_fp16_cl 60 $B $PEAK --channels_last --variants train_without,train_autocast,train_GradScaler \
   --json "$WORK/bench_fp16_cl.json"; keep "$WORK/bench_fp16_cl.txt" 8
 run bench_bf16_cl 60 $B $PEAK --channels_last --amp_dtype bfloat16 --variants train_without,train_autocast \
@@ -186,8 +225,6 @@ keep "$WORK/pipeline.txt" 8
 run train_compile 150 python3 AMP/$VARIANT.py $DEV $BEST_FLAGS --compile $TF32 --dataset CIFAR10 \
   --dataset_root "$SCRATCH/small" --img_size $IMG --batch_size $BS --epochs 1 --no-tensorboard --checkpoint "$CK/train_compile"
 keep "$WORK/train_compile.txt" 4; drop train_compile
-run bench_compile 120 $B $PEAK --compile $TF32 $BEST_FLAGS --variants $VARIANT \
-  --json "$WORK/bench_compile.json"; keep "$WORK/bench_compile.txt" 5
 
 # The figures as markdown tables, to copy into the README; each step's status.
 python3 - "$WORK" >> "$OUT/summary.txt" 2>&1 <<'PY'
@@ -206,21 +243,23 @@ def load(p):
     except (OSError, ValueError):
         return {}
 print("\n## Figures (markdown tables, for the README)\n")
-rows = [(p.stem, s) for p in ran(work.glob("bench_*.json"), lambda p: p.stem)
+rows = [(p.stem, s) for p in ran([*work.glob("bench_*.json"), *work.glob("busy_*.json")],
+                                  lambda p: p.stem)
         for s in load(p).get("steps", [])]
 if rows:
     r0 = rows[0][1]
-    print(f"Training step, synthetic batches ({r0['img_size']} px, batch {r0['batch_size']}, "
+    print(f"Training step, synthetic batches ({r0['img_size']} px, "
           f"{r0['warmup']} warm-up + {r0['steps']} timed steps; benchmark.py; {r0['timer']}):\n")
-    print("| step | variant | precision | dtype / fp32 math | channels_last | compiled | step ms "
-          "| images/s | x fp32 | peak MB | TFLOP/s | util | status |")
-    print("|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|---|")
+    print("| step | variant | precision | dtype / fp32 math | channels_last | compiled | batch "
+          "| step ms | images/s | x fp32 | peak MB | TFLOP/s | util | GPU busy | status |")
+    print("|---|---|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|")
     for step, s in rows:
         util = "-" if s.get("utilisation") is None else f"{100 * s['utilisation']:.1f}%"
+        busy = "-" if s.get("gpu_busy") is None else f"{100 * s['gpu_busy']:.0f}%"
         print(f"| {step} | {s['variant']} | {s['precision']} | {s['amp_dtype'] or s['fp32_math'] or '-'} "
-              f"| {'yes' if s['channels_last'] else 'no'} | {'yes' if s['compiled'] else 'no'} "
+              f"| {'yes' if s['channels_last'] else 'no'} | {s['compiled'] or 'no'} | {s['batch_size']} "
               f"| {f(s['step_ms'], '.1f')} | {f(s['images_per_s'], '.0f')} | {f(s.get('speedup'), '.2f')} "
-              f"| {f(s['peak_mem_mb'], '.0f')} | {f(s['achieved_tflops'], '.1f')} | {util} "
+              f"| {f(s['peak_mem_mb'], '.0f')} | {f(s['achieved_tflops'], '.1f')} | {util} | {busy} "
               f"| {s['status']} {s.get('reason') or ''}|")
     print("\n(x fp32: images/s over the fp32 row of the same parallel mode and settings, in the "
           "same step; util: of the precision's dense peak)")

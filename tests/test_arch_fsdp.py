@@ -224,6 +224,6 @@ def test_fsdp_takes_a_channels_last_model(gloo_of_one):
     net = alexnet(num_classes=3).to(memory_format=torch.channels_last)
     t = train_FSDP.build(Parts(net, nn.CrossEntropyLoss()))
     images = torch.randn(2, 3, 64, 64).contiguous(memory_format=torch.channels_last)
-    loss, norm = t.train_step([(images, torch.tensor([0, 2]))])
+    [loss], norm = t.train_step([(images, torch.tensor([0, 2]))])
     assert torch.isfinite(loss) and torch.isfinite(norm)
     assert type(net.features[0].weight).__name__ == "DTensor"

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import FAST_ARCH, IF_VAL_SIZE, event_files, run_script
 
@@ -661,3 +662,28 @@ def test_benchmark_comm_hook_flags_it_cannot_honour_are_one_line(flags, says, ca
         benchmark.parse_args(flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and says in err[-1], err
+
+
+def test_the_gpus_busy_share_counts_each_instant_once():
+    """benchmark.py --busy: the kernels' intervals, merged where streams overlap, over the
+    wall time; on the CPU there is no kernel to count."""
+    import warnings
+
+    from tools.measure_steps import covered_us, gpu_busy_share
+
+    assert covered_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
+    assert covered_us([]) == 0
+    with warnings.catch_warnings():  # the profiler's "CUDA is not available"
+        warnings.simplefilter("ignore")
+        assert gpu_busy_share(lambda: torch.ones(8).sum(), torch.device("cpu")) == 0.0
+
+
+def test_benchmark_refuses_cuda_graphs_off_one_device_in_one_line(capsys):
+    """--compile reduce-overhead: a row that cannot take CUDA graphs says why in one line."""
+    import benchmark
+
+    code = benchmark.main(["--no-cuda", "--variants", "train_DDP", "--compile", "reduce-overhead",
+                           "--steps", "1", "--warmup", "0", "--pipeline", "none",
+                           "--batch_size", "2", "--img_size", "64"])
+    out = capsys.readouterr().out
+    assert code == 1 and "failed: --compile reduce-overhead (CUDA graphs) is for one device" in out

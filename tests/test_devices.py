@@ -226,8 +226,12 @@ def test_a_device_without_allocator_statistics_has_no_peak(answer, peak, monkeyp
     (["--no-tf32"], "--no-tf32 chooses CUDA's fp32 math"),
     (["--dataset", "FakeData", "--num_workers", "2"], "--num_workers is for the classic"),
     (["--dataset", "FakeData", "--skip_bad_images"], "--skip_bad_images is for the classic"),
+    (["--compile", "reduce-overhead"], "replays CUDA graphs: CUDA's alone, not the cpu's"),
+    (["--compile", "reduce-overhead", "train_DDP"], "is for the one-device scripts"),
 ])
-def test_a_flag_this_run_would_ignore_is_one_line(flags, says, imagefolder_root, tmp_path):
-    res = run_main("train_without", *quick_flags(imagefolder_root, tmp_path, epochs=1), *flags)
+def test_a_flag_this_run_cannot_honour_is_one_line(flags, says, imagefolder_root, tmp_path):
+    script, flags = ((flags[-1], flags[:-1]) if flags[-1].startswith("train_")
+                     else ("train_without", flags))
+    res = run_main(script, *quick_flags(imagefolder_root, tmp_path, epochs=1), *flags)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.describe()

@@ -224,8 +224,9 @@ def test_neighbours_differ_by_their_technique_only(a, b):
                if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
     if b.startswith("train_DDP") and not a.startswith("train_DDP"):
         # DDP's recipe: the process group and its teardown, the wrapper and its comm hook,
-        # the sampler, the counts' sum, the unwrapped weights (from DP: its wrapping out).
-        limit = 58 if a.startswith("train_DP") else 50
+        # the sampler, the counts' sum, the unwrapped weights (from DP: its wrapping, on CUDA
+        # alone, out).
+        limit = 60 if a.startswith("train_DP") else 50
     elif b.startswith("train_FSDP") and a.startswith("train_DDP"):
         limit = 44  # another wrapper, its own skip of a micro-batch's reduction, its state
     else:

@@ -240,3 +240,38 @@ def test_compile_runs_the_backward_outside_autocast():
         assert config.backward_pass_autocast == "off"
     finally:
         config.backward_pass_autocast = before
+
+
+@pytest.mark.slow
+def test_the_compiled_step_trains_as_the_eager_one():
+    """--compile on the CPU (inductor): over a few steps of train_autocast's own step, the
+    compiled model's losses and gradient norms are the eager one's within bfloat16's
+    tolerance (inductor fuses and reorders, and bfloat16 rounds at other points)."""
+    import copy
+
+    import train_autocast
+    from ampkit.models import compile_in_place
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    eager = train_autocast.build(Parts(copy.deepcopy(net), amp_dtype=torch.bfloat16, lr=1e-2))
+    compiled = train_autocast.build(Parts(net, amp_dtype=torch.bfloat16, lr=1e-2))
+    compile_in_place(compiled.model)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        batch = [(torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 3, (8,), generator=gen))]
+        [want], want_norm = eager.train_step(batch)
+        [got], got_norm = compiled.train_step(batch)
+        assert got.item() == pytest.approx(want.item(), rel=2e-2)
+        assert got_norm.item() == pytest.approx(want_norm.item(), rel=5e-2)
+    assert type(compiled.model).__name__ == "Sequential" and compiled.model._compiled_call_impl
+
+
+def test_cuda_graphs_are_cudas_alone():
+    """--compile reduce-overhead captures CUDA graphs: one line off CUDA."""
+    from ampkit.errors import UserError
+    from ampkit.models import compile_in_place
+
+    with pytest.raises(UserError, match="replays CUDA graphs: CUDA's alone, not the cpu's"):
+        compile_in_place(nn.Linear(2, 2), mode="reduce-overhead")

@@ -239,7 +239,7 @@ def test_the_stop_lands_after_the_step_or_with_peers_the_next(group, request):
         steps.append(1)
         if len(steps) == 3:
             flag.request("SIGTERM")
-        return torch.tensor(1.0), torch.tensor(1.0)
+        return [torch.tensor(1.0)], torch.tensor(1.0)
 
     batches = [(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long))] * 10
     stats = train_one_epoch(step, batches, info, stop=StopVote(flag, info), log_every=20)

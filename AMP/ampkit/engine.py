@@ -82,37 +82,40 @@ class TrainStats:
 
 
 class StepFigures:
-    """An epoch's per-step figures: each step's loss and gradient norm as the step returns
-    them, kept on the device (adding a step costs no op and no sync), then read on the host
-    in one copy every ``log_every`` steps and summed there in double precision -- a device
-    may have no float64 at all (MPS, some Intel GPUs). ``scaled``: a GradScaler runs, and
-    it skips exactly the steps whose unscaled gradients hold an inf/NaN, the ones whose
-    gradient norm (taken after ``unscale_``) is inf/NaN: those are counted as skipped, and
-    their norm in no mean or maximum."""
+    """An epoch's per-step figures: each step's micro-batch losses and gradient norm as the
+    step returns them, kept on the device (adding a step costs no op and no sync), then read
+    on the host in one copy every ``log_every`` steps and summed there in double precision,
+    each loss weighted by its micro-batch's images -- a device may have no float64 at all
+    (MPS, some Intel GPUs). ``scaled``: a GradScaler runs, and it skips exactly the steps
+    whose unscaled gradients hold an inf/NaN, the ones whose gradient norm (taken after
+    ``unscale_``) is inf/NaN: those are counted as skipped, and their norm in no mean or
+    maximum."""
 
     def __init__(self, scaled: bool) -> None:
         self.scaled = scaled
-        self._pending: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._pending: List[Tuple[List[torch.Tensor], torch.Tensor, List[int]]] = []
         self.images = self.finite_images = self.norm_steps = 0
         self.nonfinite = self.skipped = self.bad_run = self.worst_run = 0
         self.loss_sum = self.norm_sum = 0.0  # loss x images of the finite steps; norms
         self.norm_max = float("nan")
 
-    def add(self, loss: torch.Tensor, norm: torch.Tensor, images: int) -> None:
-        """One optimizer step over ``images`` images."""
-        self._pending.append((loss, norm, images))
+    def add(self, losses: List[torch.Tensor], norm: torch.Tensor, sizes: List[int]) -> None:
+        """One optimizer step: its micro-batches' mean losses, of ``sizes`` images each."""
+        self._pending.append((losses, norm, sizes))
 
     def read(self) -> None:
         """The steps added since the last read, onto the host: the run's host sync."""
         if not self._pending:
             return
-        values = torch.stack([t for loss, norm, _ in self._pending for t in (loss, norm)])
-        values = values.tolist()
-        for (loss, norm), (_, _, n) in zip(zip(values[::2], values[1::2]), self._pending):
-            finite_loss, finite_norm = math.isfinite(loss), math.isfinite(norm)
+        values = iter(torch.stack([t for losses, norm, _ in self._pending
+                                   for t in (*losses, norm)]).tolist())
+        for losses, _, sizes in self._pending:
+            step_losses, norm = [next(values) for _ in losses], next(values)
+            n = sum(sizes)
+            finite_loss, finite_norm = all(map(math.isfinite, step_losses)), math.isfinite(norm)
             self.images += n
             if finite_loss:
-                self.loss_sum += loss * n
+                self.loss_sum += sum(loss * size for loss, size in zip(step_losses, sizes))
                 self.finite_images += n
             if finite_norm:
                 self.norm_sum += norm
@@ -205,8 +208,8 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, epoch
     with profiler or contextlib.nullcontext(), bar:  # the bar closes first, then a report
         for micro_batches, waited in micro_batches_by_step(loader, accum_steps):
             data_seconds += waited  # host time waiting for input
-            loss, norm = train_step(micro_batches)
-            figures.add(loss, norm, sum(y.shape[0] for _, y in micro_batches))
+            losses, norm = train_step(micro_batches)
+            figures.add(losses, norm, [y.shape[0] for _, y in micro_batches])
             step, steps_done = step + 1, steps_done + 1
             bar.update(1)
             if profiler is not None:

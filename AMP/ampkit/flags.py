@@ -28,6 +28,7 @@ TENSORBOARD_DIR = REPO_ROOT / "tensorboard"
 DATASETS = ("CIFAR10", "ImageFolder", "FakeData")
 AMP_DTYPES = ("float16", "bfloat16")
 LOADERS = ("auto", "fast", "classic")
+COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes that --compile takes
 
 
 class Parser(argparse.ArgumentParser):
@@ -156,8 +157,11 @@ def train_parser(variant: str, process_group: bool = False, doc: Optional[str] =
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--pretrained", action="store_true",
                    help="start from torchvision's ImageNet weights (downloaded via torch.hub)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (not under DataParallel)")
+    p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
+                   metavar="MODE",
+                   help="torch.compile the model (not under DataParallel); --compile "
+                        "reduce-overhead also replays its kernels as CUDA graphs (one device, "
+                        "on CUDA: train_without, train_autocast, train_GradScaler)")
     # Default "model": the article's nn.DataParallel(model), so the comparison measures what
     # the article measured. "features" should be faster on 2+ GPUs: DataParallel copies the
     # replicated parameters to every GPU in every forward, 2.5M (9 MB) for the conv layers
@@ -258,6 +262,13 @@ def check_technique_flags(args: argparse.Namespace, given: frozenset) -> None:
     if args.compile and dp:
         raise UserError("--compile is supported for single-device, DDP and FSDP2 runs, not "
                         "DataParallel")
+    if args.compile == "reduce-overhead" and variant.startswith(("train_DDP", "train_FSDP")):
+        raise UserError(f"--compile reduce-overhead (CUDA graphs) is for the one-device scripts, "
+                        f"not {variant}: a graph replays fixed kernels on fixed memory, and "
+                        + ("DDP's all-reduces run from autograd's hooks between its graphs"
+                           if variant.startswith("train_DDP") else
+                           "FSDP2 gathers and frees each block's weights around it")
+                        + "; --compile compiles without them")
     check_dp_scope(args.arch, args.dp_scope)
 
 

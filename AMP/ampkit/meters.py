@@ -97,7 +97,8 @@ class Meters(StepMeters):
         row |= {"grad_scale": scaler.get_scale()} if scaler is not None else {}
         row |= achieved(stats.images * self.flops_per_image, stats.seconds, self.peak,
                         self.devices)
-        return row | (self.comm_hook.per_step() if self.comm_hook is not None else {})
+        return row | (self.comm_hook.per_step(self.technique.model)
+                      if self.comm_hook is not None else {})
 
     def mean(self) -> dict:
         """The run's achieved TFLOP/s over its training time (and share of the peak)."""

@@ -201,16 +201,22 @@ def make_network(arch: str, num_classes: int, info: DistInfo, *, seed: int,
     return network.to(info.device, memory_format=memory_format)
 
 
-def compile_in_place(model: torch.nn.Module) -> None:
-    """``model.compile()`` (in place: the script's step calls the compiled model), with the
-    compiled backward outside autocast, where this project's loops run the backward. By
-    default a compiled backward runs under the forward's autocast state, which torch's AMP
-    notes warn against for code that, like ours, calls backward() outside autocast."""
+def compile_in_place(model: torch.nn.Module, mode: str = "default") -> None:
+    """``model.compile(mode=mode)`` (in place: the script's step calls the compiled model),
+    with the compiled backward outside autocast, where this project's loops run the
+    backward. By default a compiled backward runs under the forward's autocast state, which
+    torch's AMP notes warn against for code that, like ours, calls backward() outside
+    autocast. ``reduce-overhead``: the compiled graphs are also captured and replayed as
+    CUDA graphs (one launch for a graph's kernels): CUDA's alone."""
     from torch._functorch import config as functorch_config  # private: where torch keeps it
 
     if isinstance(model, torch.nn.DataParallel):
         raise UserError("--compile is supported for single-device, DDP and FSDP2 runs, not "
                         "DataParallel")
+    device = next(model.parameters()).device
+    if mode == "reduce-overhead" and device.type != "cuda":
+        raise UserError(f"--compile reduce-overhead replays CUDA graphs: CUDA's alone, not the "
+                        f"{device.type}'s; --compile compiles without them")
     if hasattr(functorch_config, "backward_pass_autocast"):  # not in every torch release
         functorch_config.backward_pass_autocast = "off"
-    model.compile()
+    model.compile(mode=mode)

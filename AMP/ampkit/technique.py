@@ -19,10 +19,10 @@ from .precision import resolve_amp_dtype
 
 DEFAULT_LR = 1e-4  # the article's AdamW learning rate
 
-# One optimizer step over its micro-batches [(images, targets), ...] -> (its loss, the
-# gradient norm before clipping).
+# One optimizer step over its micro-batches [(images, targets), ...] -> (each micro-batch's
+# mean loss, the gradient norm before clipping).
 MicroBatches = List[Tuple[torch.Tensor, torch.Tensor]]
-Step = Callable[[MicroBatches], Tuple[torch.Tensor, torch.Tensor]]
+Step = Callable[[MicroBatches], Tuple[List[torch.Tensor], torch.Tensor]]
 
 
 @dataclass

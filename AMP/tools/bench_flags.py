@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from ampkit.comm_hooks import HOOKS
 from ampkit.errors import UserError
-from ampkit.flags import AMP_DTYPES, DATA_DIR, Parser, add_device_flags
+from ampkit.flags import AMP_DTYPES, COMPILE_MODES, DATA_DIR, Parser, add_device_flags
 from ampkit.models import check_arch_flags
 
 from .variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
@@ -50,9 +50,15 @@ def build_parser() -> Parser:
                         "(--no-tf32). Default: PyTorch's, TF32 convolutions and fp32 matmuls")
     p.add_argument("--channels_last", action=argparse.BooleanOptionalAction, default=False,
                    help="model and inputs in the channels_last memory format (as in training)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (not the DataParallel variants); compilation "
-                        "happens in the warm-up steps")
+    p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
+                   metavar="MODE",
+                   help="torch.compile the model (not the DataParallel variants), as in "
+                        "training; reduce-overhead: replayed as CUDA graphs (one device, on "
+                        "CUDA). Compilation happens in the warm-up steps")
+    p.add_argument("--busy", action="store_true",
+                   help="on CUDA: after the timing, 10 more steps under torch.profiler, and the "
+                        "share of their wall time the GPU ran kernels (the rest it waited for "
+                        "the host)")
     p.add_argument("--dp_scope", choices=("model", "features"), default="model",
                    help="DataParallel wraps the whole model or only model.features (as in training)")
     p.add_argument("--accum_steps", type=int, default=1, metavar="K",

@@ -38,6 +38,7 @@ from ampkit.comm_hooks import CommHook
 from ampkit.device import DistInfo, memory_kind, peak_memory_mb, reset_peak_memory, synchronize
 from ampkit.distributed import StopVote, elastic_store, this_process, torchrun_env
 from ampkit.engine import StepMeters, train_one_epoch
+from ampkit.errors import UserError
 from ampkit.flops import training_flops_per_image
 from ampkit.models import build_model, compile_in_place
 from ampkit.profiler import StepProfiler
@@ -62,7 +63,7 @@ class StepResult:
     steps: int               # optimizer steps
     accum_steps: int = 1     # micro-batches per optimizer step
     channels_last: bool = False
-    compiled: bool = False
+    compiled: str = ""       # torch.compile's mode ("" : eager)
     fp32_math: str = ""      # CUDA fp32 variants: "tf32", "fp32" or "tf32 conv, fp32 matmul"
     dp_scope: str = ""       # DP variants: "model" or "features"
     seconds: Optional[float] = None
@@ -73,6 +74,7 @@ class StepResult:
     gflop_per_step: Optional[float] = None
     achieved_tflops: Optional[float] = None
     utilisation: Optional[float] = None    # fraction of the precision's peak x devices
+    gpu_busy: Optional[float] = None       # --busy: the share of the wall time in kernels
     speedup: Optional[float] = None        # images/s over the fp32 row of its parallel mode
     comm_hook: str = ""      # DDP variants: --comm_hook
     wire_mb_per_step: Optional[float] = None  # what this rank's hook sent a step
@@ -129,8 +131,12 @@ def _result(variant: str, device: torch.device, ddp: Optional[DDPGroup], **kw) -
         note = (f"DataParallel ({kw['dp_scope']}) over {devices} GPUs" if parallel == "dp" and cuda
                 else "DataParallel calls the module directly without CUDA" if parallel == "dp"
                 else "")
+    if kw["compiled"] == "reduce-overhead" and parallel != "single":
+        raise UserError("--compile reduce-overhead (CUDA graphs) is for one device: "
+                        + ("DataParallel is not compiled" if parallel == "dp" else
+                           f"{variant} is compiled without them by --compile"))
     if kw["compiled"] and parallel == "dp":
-        kw["compiled"], note = False, note + "; not compiled (DataParallel)"
+        kw["compiled"], note = "", note + "; not compiled (DataParallel)"
     if parallel != "dp":
         kw["dp_scope"] = ""
     res = StepResult(variant=variant, parallel=parallel, precision=precision, amp_dtype="",
@@ -147,8 +153,9 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
                     peak_tflops: Optional[float] = None,
                     peak_tflops_fp32: Optional[float] = None, fp32_math: str = "",
                     ddp: Optional[DDPGroup] = None, channels_last: bool = False,
-                    compile: bool = False, dp_scope: str = "model", accum_steps: int = 1,
-                    keep_sync: bool = False, profile: Optional[Path] = None,
+                    compile: Optional[str] = None, dp_scope: str = "model",
+                    accum_steps: int = 1, keep_sync: bool = False,
+                    profile: Optional[Path] = None, busy: bool = False,
                     comm_hook: str = "none", powersgd_rank: int = 1) -> StepResult:
     """Time ``steps`` optimizer steps of ``variant``'s own ``build()`` after ``warmup``
     uncounted ones, each over ``accum_steps`` micro-batches of ``batch_size``.
@@ -156,10 +163,11 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     of those names; ``keep_sync``: DDP all-reduces every micro-batch (no ``no_sync``: what it
     saves); ``comm_hook``: a DDP variant's --comm_hook (PowerSGD compresses from the third
     step: warm-up 2 or more times it); ``fp32_math`` labels the fp32 variants on CUDA (``precision.set_tf32``'s);
-    ``profile``: after the timing, a few more steps under :class:`StepProfiler`, traced."""
+    ``profile``: after the timing, a few more steps traced (:class:`StepProfiler`); ``busy``
+    (CUDA): 10 more, and their share of time in kernels (:func:`gpu_busy_share`)."""
     info, res = _result(variant, device, ddp, arch=arch, batch_size=batch_size,
                         img_size=img_size, warmup=warmup, steps=steps, accum_steps=accum_steps,
-                        channels_last=channels_last, compiled=compile, dp_scope=dp_scope)
+                        channels_last=channels_last, compiled=compile or "", dp_scope=dp_scope)
     if res.precision == "fp32" and device.type == "cuda":
         res.fp32_math = fp32_math
     if keep_sync:
@@ -179,8 +187,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
         run(warmup, desc=f"{variant} warm-up")
     _reset_peaks(device, res)
     hook.reset_counts()
-    # log_every past the last step: the loop's host read (the loss for the progress bar, the
-    # stop and divergence checks) would sync while timed.
+    # log_every past the last step: the loop's host read would sync while timed.
     seconds, stats = _timed(lambda: run(steps, desc=variant, log_every=steps + 1), device)
     res.peak_mem_mb = peak_memory_mb(device, all_gpus=res.parallel == "dp")
     res.seconds, res.step_ms = seconds, 1000.0 * seconds / steps
@@ -188,7 +195,10 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     res.gflop_per_step = flops * accum_steps * info.world_size / 1e9
     res.achieved_tflops = res.gflop_per_step * steps / seconds / 1e3
     if res.parallel == "ddp":  # counted as each bucket went, over the timed steps
-        res.comm_hook, res.wire_mb_per_step = comm_hook, hook.per_step().get("wire_mb_per_step")
+        res.comm_hook, wire = comm_hook, hook.per_step(t.model)
+        res.wire_mb_per_step = wire.get("wire_mb_per_step")
+    if busy and device.type == "cuda":
+        res.gpu_busy = gpu_busy_share(lambda: run(10, desc="busy", log_every=11), device)
     if profile is not None:  # started and stopped by train_one_epoch
         profiler = StepProfiler(profile, device)
         run(profiler.needed, StepMeters(t.scaler, profiler), desc=f"{variant} profile")
@@ -218,9 +228,39 @@ def _built(variant: str, res: StepResult, device: torch.device, num_classes: int
               comm_hook=hook))
     res.amp_dtype = str(t.amp_dtype)[6:] if t.amp_dtype is not None else ""
     if res.compiled:
-        compile_in_place(t.model)  # compiled during the warm-up steps
+        compile_in_place(t.model, mode=res.compiled)  # compiled during the warm-up steps
     t.model.train()
     return t, pool, flops
+
+
+def gpu_busy_share(steps, device: torch.device) -> float:
+    """The share of ``steps()``'s wall time in which the GPU ran a kernel: the union of the
+    kernels' intervals (torch.profiler's CUDA activity) over the wall time between two
+    synchronizations. The rest the GPU waited for the host: Python, the dispatcher, the
+    launches. (CUDA events around a step cannot tell: they span the waits inside it too.)"""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        synchronize(device)
+        t0 = time.perf_counter()
+        steps()
+        synchronize(device)
+        wall_us = 1e6 * (time.perf_counter() - t0)
+    spans = [(e.device_type, e.time_range.start, e.time_range.end) for e in prof.events()]
+    kernels = [(start, end) for kind, start, end in spans
+               if kind == torch.autograd.DeviceType.CUDA]
+    return min(covered_us(kernels) / wall_us, 1.0) if wall_us > 0 else 0.0
+
+
+def covered_us(intervals) -> float:
+    """The time that (start, end) intervals cover, each instant once: kernels of several
+    streams overlap."""
+    covered, reached = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reached:
+            covered += end - max(start, reached)
+            reached = end
+    return covered
 
 
 @contextlib.contextmanager

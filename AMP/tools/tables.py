@@ -38,7 +38,7 @@ def add_speedups(results: Sequence) -> None:
 
 def step_table(results: Sequence) -> str:
     head = ["variant", "precision", "math", "dev", "batch", "step ms", "images/s", "x fp32",
-            "peak MB", "GFLOP/step", "TFLOP/s", "util", "wire MB/step", "note"]
+            "peak MB", "GFLOP/step", "TFLOP/s", "util", "GPU busy", "wire MB/step", "note"]
     rows = []
     for r in results:
         ok = r.status == "ok"
@@ -49,10 +49,11 @@ def step_table(results: Sequence) -> str:
                      fmt(r.speedup, ".2f"), fmt(r.peak_mem_mb, ".0f"),
                      fmt(r.gflop_per_step, ".2f"), fmt(r.achieved_tflops, ".3f"),
                      "-" if r.utilisation is None else f"{100 * r.utilisation:.1f}%",
+                     "-" if r.gpu_busy is None else f"{100 * r.gpu_busy:.0f}%",
                      "-" if r.wire_mb_per_step is None else
                      f"{r.wire_mb_per_step:.2f} {r.comm_hook}",
                      r.note if ok else f"{r.status}: {r.reason}"])
-    return text_table(head, rows, left={0, 1, 2, 13})
+    return text_table(head, rows, left={0, 1, 2, 14})
 
 
 def pipeline_table(results: Sequence) -> str:

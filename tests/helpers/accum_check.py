@@ -10,7 +10,7 @@ the whole global batch of 8 x world size in one backward pass, in one process. D
 at once: their gradients must be the reference's (the mean over the global batch: not the
 mean of the micro-batches' means, which would weigh a lone image 4 times a batch of 4's,
 nor a sum over the ranks). DDP must all-reduce once for that step, not once per
-micro-batch (counted by the script's comm hook); FSDP2 must not reduce-scatter before the last
+micro-batch (counted by a hook of the check's own); FSDP2 must not reduce-scatter before the last
 micro-batch: until then the sharded parameters hold no gradient. Prints the figures;
 exits 1 on a mismatch.
 """
@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "AMP"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 
 import train_DDP  # noqa: E402
 import train_FSDP  # noqa: E402
-from ampkit.comm_hooks import CommHook  # noqa: E402
 from ampkit.models import build_model  # noqa: E402
 from ampkit.technique import Parts  # noqa: E402
 
@@ -65,11 +65,18 @@ class Probe(nn.CrossEntropyLoss):
         return super().forward(outputs, targets)
 
 
-hook = CommHook("none")  # the script's own hook counts the all-reduce rounds
-ddp = train_DDP.build(Parts(copy.deepcopy(model), nn.CrossEntropyLoss(),
-                            comm_hook=hook))
+rounds = []
+
+
+def counted(state, bucket):
+    """DDP's all-reduce of a bucket (PyTorch's own hook), its rounds counted."""
+    rounds.extend([1] if bucket.index() == 0 else [])
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+ddp = train_DDP.build(Parts(copy.deepcopy(model), nn.CrossEntropyLoss()))
+ddp.model.register_comm_hook(None, counted)  # --comm_hook none: the script registers none
 ddp.train_step(window)
-rounds = [1] * hook.rounds
 ddp_worst = worst({name.removeprefix("module."): p.grad for name, p in ddp.model.named_parameters()})
 
 probe = Probe()

@@ -72,10 +72,11 @@ for name, script, tolerance in (("bf16", train_DDP, 1.5e-2),
     fp32, hook = CommHook("none"), CommHook(name)
     want = one_step(script, fp32)
     diff = worst(one_step(script, hook), want)
-    lines.append(f"{script.__name__}: none {fp32.bytes_sent} bytes, {fp32.rounds} round; "
-                 f"{name}: {hook.bytes_sent} bytes ({hook.bytes_sent / fp32.bytes_sent:.3f} "
+    fp32_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # DDP's own
+    lines.append(f"{script.__name__}: none {fp32_bytes} bytes; "
+                 f"{name}: {hook.bytes_sent} bytes ({hook.bytes_sent / fp32_bytes:.3f} "
                  f"of fp32), {hook.rounds} round, largest relative difference {diff:.2e}")
-    if not (0 < diff < tolerance) or hook.rounds != 1 or 2 * hook.bytes_sent != fp32.bytes_sent:
+    if not (0 < diff < tolerance) or hook.rounds != 1 or 2 * hook.bytes_sent != fp32_bytes:
         failures.append(name)
 
 # PowerSGD under GradScaler: 2 warm-up steps, 2 compressed, one overflow, then 4 more.
@@ -90,10 +91,13 @@ poisoned = [(images.clone().index_put_((torch.tensor(0),), torch.tensor(float("i
 for step in range(9):
     before = hook.bytes_sent
     scale = t.scaler.get_scale()
-    loss, _ = t.train_step(poisoned if step == 4 else window)
+    batches = poisoned if step == 4 else window
+    step_losses, _ = t.train_step(batches)
     skipped += t.scaler.get_scale() < scale  # update() halves the scale after a skipped step
     per_step.append(hook.bytes_sent - before)
-    losses.append(loss.item())
+    # The step's loss: its micro-batches' means, weighted by their images.
+    losses.append(sum(loss.item() * len(y) for loss, (_, y) in zip(step_losses, batches))
+                  / sum(len(y) for _, y in batches))
     if step == 4 and t.scaler.get_scale() >= scale:
         failures.append("the overflowing step was not skipped")
 after = losses[5:]

@@ -118,8 +118,8 @@ class DeviceLoader:
         # the epoch starts: the classic path's, on any device, and in a resumed epoch exactly
         # those of the interrupted one.
         host = [torch.tensor(list(self.sampler), dtype=torch.int64)]
-        if self.train:
-            host.append(self.sampler.flips())
+        if self.train:  # [N, 1, 1, 1]: a batch's slice selects whole images
+            host.append(self.sampler.flips().view(-1, 1, 1, 1))
         if pinned(self.device):
             # Pinned, so the copy is asynchronous: not even the epoch start waits for the GPU.
             host = [t.pin_memory() for t in host]
@@ -129,11 +129,12 @@ class DeviceLoader:
         return on_device[0], (on_device[1] if self.train else None)
 
     def transform(self, batch_u8: torch.Tensor, flip: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """uint8 [B, 3, H, W] -> normalised float32 [B, 3, img_size, img_size] on the device."""
+        """uint8 [B, 3, H, W] -> normalised float32 [B, 3, img_size, img_size] on the device;
+        ``flip``: bool [B, 1, 1, 1], the images mirrored."""
         if flip is not None:
             # Flip before resizing: cheaper at the source size, and the same image, since a
             # bilinear resize of a mirrored image is the mirrored resize.
-            batch_u8 = torch.where(flip.view(-1, 1, 1, 1), batch_u8.flip(3), batch_u8)
+            batch_u8 = torch.where(flip, batch_u8.flip(3), batch_u8)
         size = (self.img_size, self.img_size)
         fmt = self.memory_format
         if tuple(batch_u8.shape[-2:]) != size and self.resize_uint8:
@@ -149,17 +150,16 @@ class DeviceLoader:
         # One pass converts to float in the wanted memory format (a permuting copy when the
         # CPU kernel left channels_last), then two cheap in-place passes normalise; this beats
         # addcmul on uint8, which takes a slow mixed-dtype path on the CPU.
-        out = torch.empty(batch_u8.shape, dtype=torch.float32, device=batch_u8.device,
-                          memory_format=fmt)
-        return out.copy_(batch_u8).mul_(self._scale).add_(self._bias)
+        return batch_u8.to(torch.float32, memory_format=fmt).mul_(self._scale).add_(self._bias)
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         indices, flips = self._epoch_indices()
-        for start in range(0, len(indices), self.batch_size):
-            idx = indices[start:start + self.batch_size]
-            batch = self.images.index_select(0, idx)
-            flip = flips[start:start + self.batch_size] if flips is not None else None
-            yield self.transform(batch, flip), self.labels.index_select(0, idx)
+        # The epoch cut into its batches at once: one op an epoch, not two slices a batch.
+        batches = indices.split(self.batch_size)
+        flipped = flips.split(self.batch_size) if flips is not None else [None] * len(batches)
+        for idx, flip in zip(batches, flipped):
+            yield (self.transform(self.images.index_select(0, idx), flip),
+                   self.labels.index_select(0, idx))
 
 
 class DeviceSplit(TensorDataset):

@@ -1,0 +1,52 @@
+"""A training step costs what its technique costs: the ops each train script dispatches between
+two optimizer steps -- its own run, ``main()`` in this process, its step, loop, input path
+and stop vote -- are within 1.05x of the floor of its technique (bench/step_ops.py: the same
+loop with nothing but the technique), and a step syncs nothing with the host. The counts
+are deterministic (AlexNet at 64 px, the fast input path, torch as pinned in
+constraints.txt); bench/step_ops.py prints them for all 13 scripts, with host times."""
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, run_main
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+import step_ops  # noqa: E402
+
+# The quick tier's: the one-device GradScaler loop. The slow one adds each technique's own
+# loop once; the DataParallel scripts' steps on the CPU are the one-device ones (no
+# DataParallel is built there), and bench/step_ops.py counts all 13.
+QUICK = ("train_GradScaler",)
+SLOW = ("train_without", "train_autocast", "train_DDP", "train_DDP_GradScaler",
+        "train_FSDP_GradScaler", "train_FSDP_mixed")
+
+
+@pytest.mark.parametrize("script", [*QUICK, *(pytest.param(s, marks=pytest.mark.slow)
+                                              for s in SLOW)])
+def test_a_step_costs_what_its_technique_costs(script, cifar_root, tmp_path):
+    # The run's AlexNet checkpoint (0.7 GB) in memory where the machine has a tmpfs.
+    shm = Path("/dev/shm")
+    folder = tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else tmp_path)
+    flags = ["--dataset", "CIFAR10", "--dataset_root", cifar_root, "--arch", "alexnet",
+             "--img_size", 64, "--batch_size", 6, "--epochs", 1, "--device", "cpu",
+             "--no-tensorboard", "--checkpoint", folder.name]
+
+    def run():
+        res = run_main(script, *flags)
+        assert res.returncode == 0, res.describe()
+
+    with folder:
+        mine = step_ops.measure(run, count=True)
+    floor = step_ops.measure(step_ops.run_floor(script, "alexnet", 64, 6, max_steps=5),
+                             count=True)
+    extra = Counter(mine["typical"]) - Counter(floor["typical"])
+    assert mine["median"] <= step_ops.BOUND * floor["median"], (
+        f"{script}: {mine['median']} ops a step, its floor {floor['median']}; more: "
+        f"{dict(extra.most_common())}")
+    # .item() or a truth value of a device tensor: the host would wait for the GPU each step.
+    assert "aten::_local_scalar_dense" not in mine["typical"], dict(extra)
