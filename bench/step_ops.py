@@ -16,7 +16,8 @@ autocast, a GradScaler, DataParallel, DDP or FSDP2 as the script has them; fused
 loss or norm kept, no stop vote, no progress bar. The host time is the wall time between
 optimizer steps, timed without the counting mode, floor and script taking turns round
 after round (``--rounds``), at a size where dispatch, not arithmetic, fills the step
-(``--time_arch``, default shufflenet_v2_x0_5 at 32 px, batch 4: ~2,000 ops a step).
+(``--time_arch``, default squeezenet1_1 at 32 px, batch 4: no BatchNorm, which
+train_FSDP_mixed refuses).
 A script's own run writes its checkpoint into a temporary folder, deleted after.
 """
 from __future__ import annotations
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default="alexnet", help="the network whose ops are counted")
     p.add_argument("--img_size", type=int, default=64)
     p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--time_arch", default="shufflenet_v2_x0_5",
+    p.add_argument("--time_arch", default="squeezenet1_1",
                    help="the network of the host-time rounds: one whose step dispatch fills")
     p.add_argument("--time_img_size", type=int, default=32)
     p.add_argument("--time_batch_size", type=int, default=4)
