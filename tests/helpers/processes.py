@@ -16,7 +16,8 @@ repository root, in a session of its own, as a user's shell or a batch scheduler
 ``kill_job(pid, sig)``: ``sig`` to the whole process group of a job started here (torchrun,
     its workers and their loader workers), as a scheduler signals one.
 ``wait_for(pred, timeout, proc=None)``: poll until ``pred()``; fails if ``proc`` ends first.
-``children(pid)``: the living child processes of ``pid`` (a loader's workers, say).
+``children(pid)``: the living child processes of ``pid`` (a loader's workers, say);
+    ``descendants(pid)``: all below it, whatever group they lead (what a hang's kill takes).
 ``clean_output(text)``: what a terminal finally shows on each line (the part after the last
     ``\\r``), blank lines and tqdm's bars dropped.
 """
@@ -109,6 +110,9 @@ _LIVE_GROUPS: set = set()  # the jobs running now, each the leader of its own gr
 def kill_live_jobs_then_die(signum, frame) -> None:
     """pytest's SIGTERM handler (conftest installs it): the jobs first, then pytest."""
     for pgid in list(_LIVE_GROUPS):
+        for pid in descendants(pgid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.killpg(pgid, signal.SIGKILL)
     signal.signal(signum, signal.SIG_DFL)
@@ -138,6 +142,11 @@ def finish(proc: subprocess.Popen, timeout: float = DEFAULT_TIMEOUT) -> ScriptRe
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # Its descendants first: torchrun's workers lead groups of their own, and one left
+        # alive would hold the pipes open.
+        for pid in descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         kill_job(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"no end after {timeout} s (a hang?): {' '.join(proc.args)}\n--- stdout\n"
@@ -179,6 +188,15 @@ def wait_for(pred: Callable[[], bool], timeout: float,
                 pytest.fail(f"timed out after {timeout} s:\n{finish(proc, 10).describe()[-3000:]}")
             pytest.fail(f"timed out after {timeout} s")
         time.sleep(0.05)
+
+
+def descendants(pid: int) -> set:
+    """The living processes below ``pid``, whatever group or session they lead."""
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = set().union(*(children(p) for p in frontier)) - found
+        found |= frontier
+    return found
 
 
 def children(pid: Optional[int] = None) -> set:
