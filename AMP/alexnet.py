@@ -5,7 +5,7 @@ The article decorates AlexNet's ``forward`` with ``@autocast()``. Why: ``nn.Data
 runs each replica's forward in a worker thread, and autocast state is thread-local.
 PyTorch re-enters autocast in those threads with the caller's *enabled* flag but not its
 dtype, so a bfloat16 run under DP would silently fall back to float16. ``autocast_forward``
-(``ampkit/precision.py``) re-enters autocast inside ``forward`` with the dtype chosen at
+(``ampkit/models.py``) re-enters autocast inside ``forward`` with the dtype chosen at
 run time (``model.amp_dtype``) and the device type of the input, in every thread.
 
 The training scripts apply the same decorator to whatever DataParallel replicates, for any
@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torchvision
 
-from ampkit.precision import autocast_forward
+from ampkit.models import autocast_forward
 
 __all__ = ["AlexNet", "alexnet", "autocast_forward"]
 

@@ -35,10 +35,10 @@ from typing import List, Optional
 import torch
 
 from ampkit.data.classic import default_workers
-from ampkit.device import device_type
-from ampkit.errors import UserError, report_user_errors
-from ampkit.flops import fp32_peak_math, peak_tflops
-from ampkit.precision import cpu_has_fast_bf16, set_cuda_math
+from ampkit.device import cpu_has_fast_bf16, device_type, set_cuda_math
+from ampkit.errors import UserError
+from ampkit.device import fp32_peak_math, peak_tflops
+from ampkit.run import report_user_errors
 from tools import measure_input, measure_steps, tables
 from tools.bench_flags import PIPELINES, parse_args
 from tools.variants import TRAIN_VARIANTS
@@ -53,7 +53,7 @@ def peaks(args: argparse.Namespace, device, fp32_math: str) -> tuple:
         half = half if half is not None else peak_tflops(name, "half")
         full = full if full is not None else peak_tflops(name, fp32_peak_math(fp32_math))
         if half is None or full is None:
-            print(f"note: no peak TFLOP/s known for {name} (ampkit/flops.py): no "
+            print(f"note: no peak TFLOP/s known for {name} (ampkit/device.py): no "
                   "utilisation without --peak_tflops and --peak_tflops_fp32", flush=True)
     return half, full
 

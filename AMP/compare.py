@@ -52,12 +52,11 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ampkit.data.loaders import check_loader_flags, loader_kind
+from ampkit.data import check_loader_flags, loader_kind
 from ampkit.errors import UserError
-from ampkit.flags import (AMP_DTYPES, DATASETS, REPO_ROOT, TENSORBOARD_DIR, Parser,
+from ampkit.flags import (AMP_DTYPES, DATASETS, DEFAULT_LR, REPO_ROOT, TENSORBOARD_DIR, Parser,
                           add_device_flags, train_parser)
 from ampkit.models import check_arch_flags
-from ampkit.technique import DEFAULT_LR
 from tools import report, stats
 from tools.compare_results import TB_ACCURACY, write_results
 from tools.comparison import Comparison, short
@@ -89,8 +88,9 @@ def build_parser() -> Parser:
     g.add_argument("--lr", type=float, default=DEFAULT_LR)
     g.add_argument("--seed", type=int, default=d.get_default("seed"))
     g.add_argument("--num_workers", type=int, default=None,
-                   help="DataLoader workers of the classic input path (ImageFolder, or --extra_args "
-                        "'--loader classic'; default: the scripts' own, 4 with CUDA, 0 on the CPU)")
+                   help="DataLoader workers of the classic input path (ImageFolder, or "
+                        "--extra_args '--loader classic'; default: the scripts' own, 4 with "
+                        "CUDA, 0 on the CPU)")
     add_device_flags(g)
     g.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
                    help="autocast dtype of the AMP variants (default: float16 on CUDA, "

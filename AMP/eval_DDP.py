@@ -14,20 +14,23 @@ set. No DDP wrapper is needed: there are no gradients to synchronise.
 import torch
 import torch.distributed as dist
 
-from ampkit.distributed import GROUP_TIMEOUT, elastic_store, torchrun_env
-from ampkit.errors import report_user_errors
+from ampkit.device import choose_device, refuse_unsupported
+from ampkit.distributed import GROUP_TIMEOUT, group_store, torchrun_ranks
 from ampkit.evaluate import Evaluation
 from ampkit.flags import parse_eval_args
+from ampkit.run import report_user_errors
 
 
 @report_user_errors
 def main(argv=None):
     args = parse_eval_args("eval_DDP", argv, __doc__, process_group=True)
-    rank, world_size, device = torchrun_env(args.device)
+    rank, world_size, local_rank = torchrun_ranks()
+    device = choose_device(args.device, local_rank)
+    refuse_unsupported(device, process_group=True)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
-                            world_size=world_size, store=elastic_store(rank, world_size),
+                            world_size=world_size, store=group_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
     try:
         ev = Evaluation(args.checkpoint, device, name=args.variant, arch=args.arch,

@@ -12,16 +12,17 @@ the flags.
 """
 from torch import nn
 
-from ampkit.device import single_process_device
-from ampkit.errors import report_user_errors
+from ampkit.device import choose_device, refuse_unsupported
 from ampkit.evaluate import Evaluation
 from ampkit.flags import parse_eval_args
+from ampkit.run import report_user_errors
 
 
 @report_user_errors
 def main(argv=None):
     args = parse_eval_args("eval_DP", argv, __doc__)
-    device = single_process_device(args.device, data_parallel=True)
+    device = choose_device(args.device)
+    refuse_unsupported(device, data_parallel=True)
     ev = Evaluation(args.checkpoint, device, name=args.variant, arch=args.arch,
                     dataset=args.dataset, dataset_root=args.dataset_root,
                     img_size=args.img_size, batch_size=args.batch_size, loader=args.loader,

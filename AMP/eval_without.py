@@ -7,16 +7,16 @@ Every variant's checkpoint loads here (weights are saved without DataParallel's 
 `module.` prefix); the data set, its root and the image size default to the ones the
 checkpoint was trained with. `--help` lists the flags.
 """
-from ampkit.device import single_process_device
-from ampkit.errors import report_user_errors
+from ampkit.device import choose_device
 from ampkit.evaluate import Evaluation
 from ampkit.flags import parse_eval_args
+from ampkit.run import report_user_errors
 
 
 @report_user_errors
 def main(argv=None):
     args = parse_eval_args("eval_without", argv, __doc__)
-    device = single_process_device(args.device)
+    device = choose_device(args.device)
     ev = Evaluation(args.checkpoint, device, name=args.variant, arch=args.arch,
                     dataset=args.dataset, dataset_root=args.dataset_root,
                     img_size=args.img_size, batch_size=args.batch_size, loader=args.loader,

@@ -18,30 +18,32 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from ampkit.checkpoint import Saver, restore, resume
-from ampkit.comm_hooks import CommHook
 from ampkit.data import build_loaders
-from ampkit.distributed import (GROUP_TIMEOUT, elastic_store, local_main_first, stop_vote,
-                                torchrun_env)
-from ampkit.engine import count_correct, train_one_epoch
-from ampkit.errors import report_user_errors
+from ampkit.device import choose_device, refuse_unsupported, resolve_amp_dtype, set_cuda_math
+from ampkit.distributed import (GROUP_TIMEOUT, CommHook, group_store, local_main_first,
+                                torchrun_ranks)
+from ampkit.engine import Technique, count_correct, train_one_epoch
 from ampkit.flags import parse_train_args
-from ampkit.log import header_line
 from ampkit.meters import Meters
 from ampkit.models import compile_in_place, make_network
-from ampkit.precision import set_cuda_math
-from ampkit.run_folder import RunFolder
-from ampkit.technique import Parts, Technique
+from ampkit.run import RunFolder, header_line, report_user_errors
 
 
-def build(parts: Parts) -> Technique:
-    model = DistributedDataParallel(parts.network)
-    if parts.comm_hook.name != "none":
-        model.register_comm_hook(parts.comm_hook.state, parts.comm_hook.hook)
-    criterion = parts.criterion
-    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
-    autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
+def build(network, criterion, *, device, lr, amp_dtype, clip_grad, comm_hook):
+    # A whole replica per process, already on its device (the article wrapped the model,
+    # then moved it); backward() averages the gradients over the processes.
+    model = DistributedDataParallel(network)
+    # What the all-reduce sends, bucket by bucket (--comm_hook): the fp32 gradients by
+    # DDP's own all-reduce (in C++: a Python hook would add ~20 ops a step), or a hook's
+    # fp16/bf16 cast (half the bytes) or PowerSGD's low-rank factors.
+    if comm_hook.name != "none":
+        model.register_comm_hook(comm_hook.state, comm_hook.hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    autocast = torch.autocast(device.type, dtype=amp_dtype)
 
     def forward_backward(images, targets, weight):
+        # The forward pass and the loss under autocast; backward() needs none, as it
+        # follows the forward's dtypes.
         with autocast:
             loss = criterion(model(images), targets)
         loss.backward(torch.full_like(loss, weight))
@@ -51,13 +53,15 @@ def build(parts: Parts) -> Technique:
         n = sum(len(y) for _, y in micro_batches)
         optimizer.zero_grad(set_to_none=True)
         losses = []
+        # All micro-batches but the last inside no_sync, forward too: one all-reduce a
+        # step, of the summed gradients.
         for i, (x, y) in enumerate(micro_batches):
             with model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                 losses.append(forward_backward(x, y, len(y) / n))
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
-        if parts.clip_grad is not None:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
+        if clip_grad is not None:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
         optimizer.step()
         return losses, norm
 
@@ -67,22 +71,36 @@ def build(parts: Parts) -> Technique:
 @report_user_errors
 def main(argv=None):
     args = parse_train_args("train_DDP_autocast", argv, __doc__, process_group=True)
-    rank, world_size, device = torchrun_env(args.device)
+    # One process per device, in a group made from torchrun's RANK, WORLD_SIZE and
+    # LOCAL_RANK (the article set rank and address by hand, and used gloo on GPUs too).
+    rank, world_size, local_rank = torchrun_ranks()
+    device = choose_device(args.device, local_rank)
+    # The dtype autocast computes in, decided once: float16 on an accelerator, bfloat16 on
+    # the CPU (--amp_dtype: either, where the device has it natively).
+    amp_dtype = resolve_amp_dtype(args.amp_dtype, device)
+    # One line for a group on MPS (c10d moves no MPS tensors).
+    refuse_unsupported(device, process_group=True)
     if device.type != "cpu":
+        # Before any work on it, or every rank would use device 0.
         torch.accelerator.set_device_index(device.index)
+    # The backend of the device's type (NCCL on CUDA, XCCL on XPU, gloo on the CPU).
     dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
-                            world_size=world_size, store=elastic_store(rank, world_size),
+                            world_size=world_size, store=group_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
     fp32_math = set_cuda_math(args.tf32, device)
+    # The group is left on every way out, a stop or an error too (the article never did).
     try:
         with RunFolder(args.checkpoint / args.variant, device,
                        args.tensorboard_log / args.variant if args.tensorboard else None) as run:
+            # A download by one process per node, the others after it.
             with local_main_first(run.info):
                 data = build_loaders(args.dataset, args.dataset_root, args.img_size,
                                      args.batch_size, run.info, loader=args.loader,
                                      num_workers=args.num_workers,
                                      channels_last=args.channels_last,
                                      skip_bad=args.skip_bad_images)
+            # Each process its own share of the data, in a new order every epoch (the
+            # article's never changed its order).
             sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
             loader = data.train_loader(sampler)
             network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
@@ -93,12 +111,14 @@ def main(argv=None):
             comm_hook = CommHook(args.comm_hook, powersgd_rank=args.powersgd_rank,
                                  start_iter=args.powersgd_start_iter, run_steps=steps,
                                  seed=args.seed)
-            technique = build(Parts(network, lr=args.lr, clip_grad=args.clip_grad,
-                                    amp_dtype=args.amp_dtype, comm_hook=comm_hook))
+            technique = build(network, torch.nn.CrossEntropyLoss(), device=device, lr=args.start_lr,
+                              amp_dtype=amp_dtype, clip_grad=args.clip_grad, comm_hook=comm_hook)
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
 
             def training_state():
+                # The unwrapped weights, without DDP's "module." prefix; rank 0 alone writes
+                # them (the article saved on every rank, prefix and all).
                 return {"model": technique.model.module.state_dict(),
                         "optimizer": technique.optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(),
@@ -107,24 +127,27 @@ def main(argv=None):
             with (run.logger(resumed, args.epochs) as log,
                   Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
                         num_classes=data.num_classes, args=args) as saver,
-                  stop_vote(run.info, log.print) as vote):
-                restore(resumed, technique, scheduler, log, args=args, comm_hook=comm_hook)
+                  run.stop_vote(log.print) as vote):
+                restore(resumed, log, args=args, model=technique.model,
+                        optimizer=technique.optimizer, scheduler=scheduler, comm_hook=comm_hook)
                 if args.compile:
                     compile_in_place(technique.model, mode=args.compile)
                 meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                                accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
-                                comm_hook=comm_hook, fp32_math=fp32_math,
+                                amp_dtype=amp_dtype, accum_steps=args.accum_steps,
+                                peak_tflops=args.peak_tflops, comm_hook=comm_hook,
+                                fp32_math=fp32_math,
                                 profile_dir=run.dir / "profile" if args.profile else None)
-                log.print(header_line(args.variant, technique, data, run.info,
+                log.print(header_line(args.variant, technique, data, run.info, amp_dtype=amp_dtype,
                                       accum_steps=args.accum_steps, clip_grad=args.clip_grad,
                                       fp32_math=fp32_math))
 
                 for epoch in range(resumed.epoch, args.epochs):
+                    # The sampler's order for this epoch, the same on every rank.
                     sampler.set_epoch(epoch)
                     technique.model.train()
-                    stats = train_one_epoch(technique.train_step, loader, run.info, epoch=epoch,
-                                            meters=meters, accum_steps=args.accum_steps,
-                                            max_nonfinite=5,
+                    stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
+                                            epoch=epoch, start=resumed.step_in(epoch),
+                                            accum_steps=args.accum_steps, max_nonfinite=5,
                                             stop=vote, log_every=args.log_every,
                                             desc=f"epoch {epoch + 1}/{args.epochs}")
                     if stats.stopped_at is not None:
@@ -132,6 +155,8 @@ def main(argv=None):
                         break
                     counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                            desc="val")
+                    # Correct and seen summed over the ranks' disjoint shards: exact (the article
+                    # divided each rank's own count by the whole test set).
                     dist.all_reduce(counts)
                     correct, seen = counts.tolist()
                     scheduler.step(correct / seen)

@@ -16,36 +16,29 @@ import sys
 import torch
 
 from ampkit.checkpoint import Saver, restore, resume
-from ampkit.data import build_loaders
-from ampkit.data.samplers import one_process_sampler
-from ampkit.device import single_process_device
-from ampkit.distributed import stop_vote
-from ampkit.engine import count_correct, train_one_epoch
-from ampkit.errors import report_user_errors
+from ampkit.data import build_loaders, one_process_sampler
+from ampkit.device import choose_device, refuse_unsupported, set_cuda_math
+from ampkit.engine import Technique, count_correct, train_one_epoch
 from ampkit.flags import parse_train_args
-from ampkit.log import header_line
 from ampkit.meters import Meters
 from ampkit.models import compile_in_place, make_network
-from ampkit.precision import set_cuda_math
-from ampkit.run_folder import RunFolder
-from ampkit.technique import Parts, Technique
+from ampkit.run import RunFolder, header_line, report_user_errors
 
 
-def build(parts: Parts) -> Technique:
-    model = parts.network
+def build(network, criterion, *, device, lr, clip_grad, dp_scope):
+    model = network
     # DataParallel replicates over CUDA GPUs alone: built on another device it would still
     # move the model to a GPU the machine has (it looks at the machine, not the model).
     # Elsewhere the model runs as it is.
-    if parts.device.type == "cuda" and parts.dp_scope == "features":
+    if device.type == "cuda" and dp_scope == "features":
         # The convolutions alone, as pytorch/examples' ImageNet script does for AlexNet:
         # the big linear layers, most of the parameters, stay on one GPU.
         model.features = torch.nn.DataParallel(model.features)
-    elif parts.device.type == "cuda":
+    elif device.type == "cuda":
         # Every step: the model copied to each GPU, the batch split over them, the
         # outputs gathered on GPU 0.
         model = torch.nn.DataParallel(model)
-    criterion = parts.criterion
-    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
     def forward_backward(images, targets, weight):
         loss = criterion(model(images), targets)
@@ -60,8 +53,8 @@ def build(parts: Parts) -> Technique:
             losses.append(forward_backward(x, y, len(y) / n))
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
-        if parts.clip_grad is not None:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
+        if clip_grad is not None:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
         optimizer.step()
         return losses, norm
 
@@ -71,7 +64,9 @@ def build(parts: Parts) -> Technique:
 @report_user_errors
 def main(argv=None):
     args = parse_train_args("train_DP", argv, __doc__)
-    device = single_process_device(args.device, data_parallel=True)
+    device = choose_device(args.device)
+    # One line for DataParallel off CUDA (it replicates over CUDA GPUs alone).
+    refuse_unsupported(device, data_parallel=True)
     fp32_math = set_cuda_math(args.tf32, device)
     with RunFolder(args.checkpoint / args.variant, device,
                    args.tensorboard_log / args.variant if args.tensorboard else None) as run:
@@ -86,8 +81,8 @@ def main(argv=None):
                                pretrained=args.pretrained, channels_last=args.channels_last)
         resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
                          args=args)
-        technique = build(Parts(network, lr=args.lr, clip_grad=args.clip_grad,
-                                dp_scope=args.dp_scope))
+        technique = build(network, torch.nn.CrossEntropyLoss(), device=device, lr=args.start_lr,
+                          clip_grad=args.clip_grad, dp_scope=args.dp_scope)
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                patience=3)
 
@@ -103,24 +98,25 @@ def main(argv=None):
         with (run.logger(resumed, args.epochs) as log,
               Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
                     num_classes=data.num_classes, args=args) as saver,
-              stop_vote(run.info, log.print) as vote):
-            restore(resumed, technique, scheduler, log, args=args)
+              run.stop_vote(log.print) as vote):
+            restore(resumed, log, args=args, model=technique.model, optimizer=technique.optimizer,
+                    scheduler=scheduler)
             if args.compile:
                 compile_in_place(technique.model, mode=args.compile)
             meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                            accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
-                            fp32_math=fp32_math,
+                            amp_dtype=None, accum_steps=args.accum_steps,
+                            peak_tflops=args.peak_tflops, fp32_math=fp32_math,
                             profile_dir=run.dir / "profile" if args.profile else None)
-            log.print(header_line(args.variant, technique, data, run.info,
+            log.print(header_line(args.variant, technique, data, run.info, amp_dtype=None,
                                   accum_steps=args.accum_steps, clip_grad=args.clip_grad,
                                   fp32_math=fp32_math))
 
             for epoch in range(resumed.epoch, args.epochs):
                 sampler.set_epoch(epoch)
                 technique.model.train()
-                stats = train_one_epoch(technique.train_step, loader, run.info, epoch=epoch,
-                                        meters=meters, accum_steps=args.accum_steps,
-                                        max_nonfinite=5,
+                stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
+                                        epoch=epoch, start=resumed.step_in(epoch),
+                                        accum_steps=args.accum_steps, max_nonfinite=5,
                                         stop=vote, log_every=args.log_every,
                                         desc=f"epoch {epoch + 1}/{args.epochs}")
                 if stats.stopped_at is not None:

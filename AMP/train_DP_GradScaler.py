@@ -14,41 +14,38 @@ import sys
 import torch
 
 from ampkit.checkpoint import Saver, restore, resume
-from ampkit.data import build_loaders
-from ampkit.data.samplers import one_process_sampler
-from ampkit.device import single_process_device
-from ampkit.distributed import stop_vote
-from ampkit.engine import count_correct, train_one_epoch
-from ampkit.errors import report_user_errors
+from ampkit.data import build_loaders, one_process_sampler
+from ampkit.device import choose_device, refuse_unsupported, resolve_amp_dtype, set_cuda_math
+from ampkit.engine import Technique, count_correct, train_one_epoch
 from ampkit.flags import parse_train_args
-from ampkit.log import header_line
 from ampkit.meters import Meters
 from ampkit.models import autocast_replicas, compile_in_place, make_network
-from ampkit.precision import set_cuda_math
-from ampkit.run_folder import RunFolder
-from ampkit.technique import Parts, Technique
+from ampkit.run import RunFolder, header_line, report_user_errors
 
 
-def build(parts: Parts) -> Technique:
-    model = parts.network
+def build(network, criterion, *, device, lr, amp_dtype, clip_grad, dp_scope):
+    model = network
     # DataParallel replicates over CUDA GPUs alone: built on another device it would still
     # move the model to a GPU the machine has (it looks at the machine, not the model).
     # Elsewhere the model runs as it is.
     # autocast is thread-local, and DataParallel runs each replica in a thread of its
     # own: what it replicates re-enters autocast with the run's dtype there.
-    if parts.device.type == "cuda" and parts.dp_scope == "features":
+    if device.type == "cuda" and dp_scope == "features":
         model.features = torch.nn.DataParallel(autocast_replicas(model.features,
-                                                                 parts.amp_dtype))
-    elif parts.device.type == "cuda":
-        model = torch.nn.DataParallel(autocast_replicas(model, parts.amp_dtype))
-    criterion = parts.criterion
-    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
-    autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
-    scaler = torch.amp.GradScaler(parts.device.type)
+                                                                 amp_dtype))
+    elif device.type == "cuda":
+        model = torch.nn.DataParallel(autocast_replicas(model, amp_dtype))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    autocast = torch.autocast(device.type, dtype=amp_dtype)
+    # One scaler for the whole run: its scale carries over from step to step.
+    scaler = torch.amp.GradScaler(device.type)
 
     def forward_backward(images, targets, weight):
+        # The forward pass and the loss under autocast; backward() needs none, as it
+        # follows the forward's dtypes.
         with autocast:
             loss = criterion(model(images), targets)
+        # The gradients of loss x scale: fp16 gradients too small for fp16 survive.
         scaler.scale(loss).backward(torch.full_like(loss, weight))
         return loss.detach()
 
@@ -58,11 +55,15 @@ def build(parts: Parts) -> Technique:
         losses = []
         for x, y in micro_batches:
             losses.append(forward_backward(x, y, len(y) / n))
+        # Unscaled once a step, after its last backward() and before anything reads the
+        # gradients (never per micro-batch).
         scaler.unscale_(optimizer)
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
-        if parts.clip_grad is not None:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
+        if clip_grad is not None:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
+        # A step whose gradients hold inf/NaN is skipped; update() then halves the
+        # scale (and doubles it after 2000 good steps).
         scaler.step(optimizer)
         scaler.update()
         return losses, norm
@@ -73,7 +74,12 @@ def build(parts: Parts) -> Technique:
 @report_user_errors
 def main(argv=None):
     args = parse_train_args("train_DP_GradScaler", argv, __doc__)
-    device = single_process_device(args.device, data_parallel=True, loss_scaling=True)
+    device = choose_device(args.device)
+    # The dtype autocast computes in, decided once: float16 on an accelerator, bfloat16 on
+    # the CPU (--amp_dtype: either, where the device has it natively).
+    amp_dtype = resolve_amp_dtype(args.amp_dtype, device)
+    # One line for DataParallel off CUDA, or a scaler without the device's kernels.
+    refuse_unsupported(device, data_parallel=True, loss_scaling=True)
     fp32_math = set_cuda_math(args.tf32, device)
     with RunFolder(args.checkpoint / args.variant, device,
                    args.tensorboard_log / args.variant if args.tensorboard else None) as run:
@@ -88,8 +94,8 @@ def main(argv=None):
                                pretrained=args.pretrained, channels_last=args.channels_last)
         resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
                          args=args)
-        technique = build(Parts(network, lr=args.lr, clip_grad=args.clip_grad,
-                                amp_dtype=args.amp_dtype, dp_scope=args.dp_scope))
+        technique = build(network, torch.nn.CrossEntropyLoss(), device=device, lr=args.start_lr,
+                          amp_dtype=amp_dtype, clip_grad=args.clip_grad, dp_scope=args.dp_scope)
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                patience=3)
 
@@ -104,24 +110,26 @@ def main(argv=None):
         with (run.logger(resumed, args.epochs) as log,
               Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
                     num_classes=data.num_classes, args=args) as saver,
-              stop_vote(run.info, log.print) as vote):
-            restore(resumed, technique, scheduler, log, args=args)
+              run.stop_vote(log.print) as vote):
+            restore(resumed, log, args=args, model=technique.model, optimizer=technique.optimizer,
+                    scheduler=scheduler, scaler=technique.scaler)
             if args.compile:
                 compile_in_place(technique.model, mode=args.compile)
             meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                            accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
-                            fp32_math=fp32_math,
+                            amp_dtype=amp_dtype, accum_steps=args.accum_steps,
+                            peak_tflops=args.peak_tflops, fp32_math=fp32_math,
                             profile_dir=run.dir / "profile" if args.profile else None)
-            log.print(header_line(args.variant, technique, data, run.info,
+            log.print(header_line(args.variant, technique, data, run.info, amp_dtype=amp_dtype,
                                   accum_steps=args.accum_steps, clip_grad=args.clip_grad,
                                   fp32_math=fp32_math))
 
             for epoch in range(resumed.epoch, args.epochs):
                 sampler.set_epoch(epoch)
                 technique.model.train()
-                stats = train_one_epoch(technique.train_step, loader, run.info, epoch=epoch,
-                                        meters=meters, accum_steps=args.accum_steps,
-                                        max_nonfinite=None,
+                # No divergence check: the scaler skips a step with inf/NaN gradients.
+                stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
+                                        epoch=epoch, start=resumed.step_in(epoch),
+                                        accum_steps=args.accum_steps, max_nonfinite=None,
                                         stop=vote, log_every=args.log_every,
                                         desc=f"epoch {epoch + 1}/{args.epochs}")
                 if stats.stopped_at is not None:

@@ -22,31 +22,26 @@ from torch.utils.data import DistributedSampler
 
 from ampkit.checkpoint import Saver, restore, resume
 from ampkit.data import build_loaders
-from ampkit.distributed import (GROUP_TIMEOUT, elastic_store, local_main_first, stop_vote,
-                                torchrun_env)
-from ampkit.engine import count_correct, train_one_epoch
-from ampkit.errors import report_user_errors
+from ampkit.device import choose_device, refuse_unsupported, set_cuda_math
+from ampkit.distributed import GROUP_TIMEOUT, group_store, local_main_first, torchrun_ranks
+from ampkit.engine import Technique, count_correct, train_one_epoch
 from ampkit.flags import parse_train_args
-from ampkit.log import header_line
 from ampkit.meters import Meters
 from ampkit.models import compile_in_place, make_network, shard_units
-from ampkit.precision import set_cuda_math
-from ampkit.run_folder import RunFolder
-from ampkit.technique import Parts, Technique
+from ampkit.run import RunFolder, header_line, report_user_errors
 
 
-def build(parts: Parts) -> Technique:
+def build(network, criterion, *, lr, clip_grad):
     # fully_shard takes contiguous parameters (--channels_last: the inputs are).
-    model = parts.network.to(memory_format=torch.contiguous_format)
+    model = network.to(memory_format=torch.contiguous_format)
     # Each process holds a shard of every parameter; each block (a layer, a residual
     # block) is gathered just before it runs and freed after, then the root.
     for block in shard_units(model):
         fully_shard(block)
     model = fully_shard(model)
-    criterion = parts.criterion
     # After fully_shard, which replaced the parameters: AdamW over this process's shards
     # (made before it, the optimizer would hold the replaced ones).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
     def forward_backward(images, targets, weight):
         loss = criterion(model(images), targets)
@@ -67,8 +62,8 @@ def build(parts: Parts) -> Technique:
         # The norm of the shards' gradients is a DTensor: made whole on every rank.
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None]).full_tensor()
-        if parts.clip_grad is not None:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
+        if clip_grad is not None:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
         optimizer.step()
         return losses, norm
 
@@ -80,17 +75,19 @@ def main(argv=None):
     args = parse_train_args("train_FSDP", argv, __doc__, process_group=True)
     # One process per device, in a group made from torchrun's RANK, WORLD_SIZE and
     # LOCAL_RANK (the article set rank and address by hand, and used gloo on GPUs too).
-    rank, world_size, device = torchrun_env(args.device)
+    rank, world_size, local_rank = torchrun_ranks()
+    device = choose_device(args.device, local_rank)
+    # One line for a group on MPS (c10d moves no MPS tensors).
+    refuse_unsupported(device, process_group=True)
     if device.type != "cpu":
         # Before any work on it, or every rank would use device 0.
         torch.accelerator.set_device_index(device.index)
     # The backend of the device's type (NCCL on CUDA, XCCL on XPU, gloo on the CPU).
     dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
-                            world_size=world_size, store=elastic_store(rank, world_size),
+                            world_size=world_size, store=group_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
     fp32_math = set_cuda_math(args.tf32, device)
-    # The group is left on every way out, a stop or an error too (the article never
-    # left it).
+    # The group is left on every way out, a stop or an error too (the article never did).
     try:
         with RunFolder(args.checkpoint / args.variant, device,
                        args.tensorboard_log / args.variant if args.tensorboard else None) as run:
@@ -109,7 +106,8 @@ def main(argv=None):
                                    pretrained=args.pretrained, channels_last=args.channels_last)
             resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
                              args=args)
-            technique = build(Parts(network, lr=args.lr, clip_grad=args.clip_grad))
+            technique = build(network, torch.nn.CrossEntropyLoss(), lr=args.start_lr,
+                              clip_grad=args.clip_grad)
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
 
@@ -124,15 +122,16 @@ def main(argv=None):
             with (run.logger(resumed, args.epochs) as log,
                   Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
                         num_classes=data.num_classes, args=args) as saver,
-                  stop_vote(run.info, log.print) as vote):
-                restore(resumed, technique, scheduler, log, args=args)
+                  run.stop_vote(log.print) as vote):
+                restore(resumed, log, args=args, model=technique.model,
+                        optimizer=technique.optimizer, scheduler=scheduler)
                 if args.compile:
                     compile_in_place(technique.model, mode=args.compile)
                 meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                                accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
-                                fp32_math=fp32_math,
+                                amp_dtype=None, accum_steps=args.accum_steps,
+                                peak_tflops=args.peak_tflops, fp32_math=fp32_math,
                                 profile_dir=run.dir / "profile" if args.profile else None)
-                log.print(header_line(args.variant, technique, data, run.info,
+                log.print(header_line(args.variant, technique, data, run.info, amp_dtype=None,
                                       accum_steps=args.accum_steps, clip_grad=args.clip_grad,
                                       fp32_math=fp32_math))
 
@@ -140,9 +139,9 @@ def main(argv=None):
                     # The sampler's order for this epoch, the same on every rank.
                     sampler.set_epoch(epoch)
                     technique.model.train()
-                    stats = train_one_epoch(technique.train_step, loader, run.info, epoch=epoch,
-                                            meters=meters, accum_steps=args.accum_steps,
-                                            max_nonfinite=5,
+                    stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
+                                            epoch=epoch, start=resumed.step_in(epoch),
+                                            accum_steps=args.accum_steps, max_nonfinite=5,
                                             stop=vote, log_every=args.log_every,
                                             desc=f"epoch {epoch + 1}/{args.epochs}")
                     if stats.stopped_at is not None:

@@ -22,40 +22,37 @@ from torch.utils.data import DistributedSampler
 
 from ampkit.checkpoint import Saver, restore, resume
 from ampkit.data import build_loaders
-from ampkit.distributed import (GROUP_TIMEOUT, elastic_store, local_main_first, stop_vote,
-                                torchrun_env)
-from ampkit.engine import count_correct, train_one_epoch
-from ampkit.errors import report_user_errors
+from ampkit.device import choose_device, refuse_unsupported, resolve_amp_dtype, set_cuda_math
+from ampkit.distributed import GROUP_TIMEOUT, group_store, local_main_first, torchrun_ranks
+from ampkit.engine import Technique, count_correct, train_one_epoch
 from ampkit.flags import parse_train_args
-from ampkit.log import header_line
 from ampkit.meters import Meters
 from ampkit.models import check_param_dtype_fits, compile_in_place, make_network, shard_units
-from ampkit.precision import set_cuda_math
-from ampkit.run_folder import RunFolder
-from ampkit.technique import Parts, Technique
+from ampkit.run import RunFolder, header_line, report_user_errors
 
 
-def build(parts: Parts) -> Technique:
-    check_param_dtype_fits(parts.network)
-    dtype, reduce = parts.amp_dtype, parts.reduce_dtype
-    model = parts.network.to(memory_format=torch.contiguous_format)
+def build(network, criterion, *, device, lr, amp_dtype, reduce_dtype, loss_scaling, clip_grad):
+    check_param_dtype_fits(network)
+    # fully_shard takes contiguous parameters (--channels_last: the inputs are).
+    model = network.to(memory_format=torch.contiguous_format)
     # Each block is gathered, cast to param_dtype, to run; its gradients are
     # reduce-scattered in reduce_dtype (float32 by default; bfloat16 halves the bytes,
     # and with --accum_steps the micro-batches' gradients also add up in it).
+    # Each process holds a shard of every parameter; each block (a layer, a residual
+    # block) is gathered just before it runs and freed after, then the root.
     for block in shard_units(model):
-        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=dtype,
-                                                          reduce_dtype=reduce))
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=amp_dtype,
+                                                          reduce_dtype=reduce_dtype))
     model = fully_shard(model, mp_policy=MixedPrecisionPolicy(
-        param_dtype=dtype, reduce_dtype=reduce, output_dtype=torch.float32))
-    criterion = parts.criterion
-    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
-    # float16 needs loss scaling, in the blocks or on the wire (--reduce_dtype float16: the
-    # gradients are reduced, and added up, in it); bfloat16, with float32's range, does not.
-    scaler = torch.amp.GradScaler(parts.device.type,
-                                  enabled=torch.float16 in (dtype, reduce))
+        param_dtype=amp_dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32))
+    # After fully_shard, which replaced the parameters: AdamW over this process's shards
+    # (made before it, the optimizer would hold the replaced ones).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    scaler = torch.amp.GradScaler(device.type, enabled=loss_scaling)
 
     def forward_backward(images, targets, weight):
         loss = criterion(model(images), targets)
+        # The gradients of loss x scale: fp16 gradients too small for fp16 survive.
         scaler.scale(loss).backward(torch.full_like(loss, weight))
         return loss.detach()
 
@@ -65,56 +62,80 @@ def build(parts: Parts) -> Technique:
         losses = []
         for i, (x, y) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
+            # Only the last micro-batch reduce-scatters; till then the gathered weights stay
+            # (no gather again in the next one: a quarter faster, docs/results.md).
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
             losses.append(forward_backward(x, y, len(y) / n))
+        # Unscaled once a step, after its last backward() and before anything reads the
+        # gradients (never per micro-batch).
         scaler.unscale_(optimizer)
+        # The norm of the shards' gradients is a DTensor: made whole on every rank.
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None]).full_tensor()
-        if parts.clip_grad is not None:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
+        if clip_grad is not None:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
+        # A step whose gradients hold inf/NaN is skipped; update() then halves the
+        # scale (and doubles it after 2000 good steps).
         scaler.step(optimizer)
         scaler.update()
         return losses, norm
 
-    return Technique(model, optimizer, train_step,
-                     scaler=scaler if scaler.is_enabled() else None, amp_dtype=dtype)
+    return Technique(model, optimizer, train_step, scaler=scaler if loss_scaling else None)
 
 
 @report_user_errors
 def main(argv=None):
     args = parse_train_args("train_FSDP_mixed", argv, __doc__, process_group=True)
-    # float16 parameters (the default on an accelerator) or reduce: a GradScaler.
-    scaling = args.amp_dtype != "bfloat16" or args.reduce_dtype == "float16"
-    rank, world_size, device = torchrun_env(args.device, loss_scaling=scaling)
+    # One process per device, in a group made from torchrun's RANK, WORLD_SIZE and
+    # LOCAL_RANK (the article set rank and address by hand, and used gloo on GPUs too).
+    rank, world_size, local_rank = torchrun_ranks()
+    device = choose_device(args.device, local_rank)
+    # The dtype the blocks compute in, decided once: float16 on an accelerator, bfloat16 on
+    # the CPU (--amp_dtype: either, where the device has it natively).
+    amp_dtype = resolve_amp_dtype(args.amp_dtype, device)
+    reduce_dtype = getattr(torch, args.reduce_dtype)
+    # float16 in the blocks or on the wire (--reduce_dtype float16: the gradients are
+    # reduced, and added up, in it) needs loss scaling; bfloat16, with fp32's range, not.
+    loss_scaling = torch.float16 in (amp_dtype, reduce_dtype)
+    # One line for a group on MPS (c10d moves no MPS tensors), or a scaler without kernels.
+    refuse_unsupported(device, process_group=True, loss_scaling=loss_scaling)
     if device.type != "cpu":
+        # Before any work on it, or every rank would use device 0.
         torch.accelerator.set_device_index(device.index)
+    # The backend of the device's type (NCCL on CUDA, XCCL on XPU, gloo on the CPU).
     dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
-                            world_size=world_size, store=elastic_store(rank, world_size),
+                            world_size=world_size, store=group_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
     fp32_math = set_cuda_math(args.tf32, device)
+    # The group is left on every way out, a stop or an error too (the article never did).
     try:
         with RunFolder(args.checkpoint / args.variant, device,
                        args.tensorboard_log / args.variant if args.tensorboard else None) as run:
+            # A download by one process per node, the others after it.
             with local_main_first(run.info):
                 data = build_loaders(args.dataset, args.dataset_root, args.img_size,
                                      args.batch_size, run.info, loader=args.loader,
                                      num_workers=args.num_workers,
                                      channels_last=args.channels_last,
                                      skip_bad=args.skip_bad_images)
+            # Each process its own share of the data, in a new order every epoch (the
+            # article's never changed its order).
             sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
             loader = data.train_loader(sampler)
             network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
                                    pretrained=args.pretrained, channels_last=args.channels_last)
             resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
                              args=args)
-            technique = build(Parts(network, lr=args.lr, clip_grad=args.clip_grad,
-                                    amp_dtype=args.amp_dtype, reduce_dtype=args.reduce_dtype))
+            technique = build(network, torch.nn.CrossEntropyLoss(), device=device,
+                              lr=args.start_lr, amp_dtype=amp_dtype, reduce_dtype=reduce_dtype,
+                              loss_scaling=loss_scaling, clip_grad=args.clip_grad)
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
 
             full = StateDictOptions(full_state_dict=True, cpu_offload=True)
             def training_state():
+                # Every rank gathers the full state of its shards, on rank 0's CPU; rank 0 writes.
                 model, optimizer = technique.model, technique.optimizer
                 return {"model": get_model_state_dict(model, options=full),
                         "optimizer": get_optimizer_state_dict(model, optimizer, options=full),
@@ -124,24 +145,28 @@ def main(argv=None):
             with (run.logger(resumed, args.epochs) as log,
                   Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
                         num_classes=data.num_classes, args=args) as saver,
-                  stop_vote(run.info, log.print) as vote):
-                restore(resumed, technique, scheduler, log, args=args)
+                  run.stop_vote(log.print) as vote):
+                restore(resumed, log, args=args, model=technique.model,
+                        optimizer=technique.optimizer, scheduler=scheduler, scaler=technique.scaler)
                 if args.compile:
                     compile_in_place(technique.model, mode=args.compile)
                 meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                                accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
-                                fp32_math=fp32_math,
+                                amp_dtype=amp_dtype, accum_steps=args.accum_steps,
+                                peak_tflops=args.peak_tflops, fp32_math=fp32_math,
                                 profile_dir=run.dir / "profile" if args.profile else None)
-                log.print(header_line(args.variant, technique, data, run.info,
+                log.print(header_line(args.variant, technique, data, run.info, amp_dtype=amp_dtype,
                                       accum_steps=args.accum_steps, clip_grad=args.clip_grad,
                                       fp32_math=fp32_math))
 
                 for epoch in range(resumed.epoch, args.epochs):
+                    # The sampler's order for this epoch, the same on every rank.
                     sampler.set_epoch(epoch)
                     technique.model.train()
-                    stats = train_one_epoch(technique.train_step, loader, run.info, epoch=epoch,
-                                            meters=meters, accum_steps=args.accum_steps,
-                                            max_nonfinite=None if technique.scaler else 5,
+                    # No divergence check under a scaler: it skips a step with inf/NaN grads.
+                    stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
+                                            epoch=epoch, start=resumed.step_in(epoch),
+                                            accum_steps=args.accum_steps,
+                                            max_nonfinite=None if loss_scaling else 5,
                                             stop=vote, log_every=args.log_every,
                                             desc=f"epoch {epoch + 1}/{args.epochs}")
                     if stats.stopped_at is not None:
@@ -149,6 +174,8 @@ def main(argv=None):
                         break
                     counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                            desc="val")
+                    # Correct and seen summed over the ranks' disjoint shards: exact (the article
+                    # divided each rank's own count by the whole test set).
                     dist.all_reduce(counts)
                     correct, seen = counts.tolist()
                     scheduler.step(correct / seen)

@@ -16,30 +16,25 @@ import sys
 import torch
 
 from ampkit.checkpoint import Saver, restore, resume
-from ampkit.data import build_loaders
-from ampkit.data.samplers import one_process_sampler
-from ampkit.device import single_process_device
-from ampkit.distributed import stop_vote
-from ampkit.engine import count_correct, train_one_epoch
-from ampkit.errors import report_user_errors
+from ampkit.data import build_loaders, one_process_sampler
+from ampkit.device import choose_device, refuse_unsupported, resolve_amp_dtype, set_cuda_math
+from ampkit.engine import Technique, count_correct, train_one_epoch
 from ampkit.flags import parse_train_args
-from ampkit.log import header_line
 from ampkit.meters import Meters
 from ampkit.models import compile_in_place, make_network
-from ampkit.precision import set_cuda_math
-from ampkit.run_folder import RunFolder
-from ampkit.technique import Parts, Technique
+from ampkit.run import RunFolder, header_line, report_user_errors
 
 
-def build(parts: Parts) -> Technique:
-    model = parts.network
-    criterion = parts.criterion
-    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
-    autocast = torch.autocast(parts.device.type, dtype=parts.amp_dtype)
+def build(network, criterion, *, device, lr, amp_dtype, clip_grad):
+    model = network
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    autocast = torch.autocast(device.type, dtype=amp_dtype)
     # One scaler for the whole run: its scale carries over from step to step.
-    scaler = torch.amp.GradScaler(parts.device.type)
+    scaler = torch.amp.GradScaler(device.type)
 
     def forward_backward(images, targets, weight):
+        # The forward pass and the loss under autocast; backward() needs none, as it
+        # follows the forward's dtypes.
         with autocast:
             loss = criterion(model(images), targets)
         # The gradients of loss x scale: fp16 gradients too small for fp16 survive.
@@ -57,8 +52,8 @@ def build(parts: Parts) -> Technique:
         scaler.unscale_(optimizer)
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
-        if parts.clip_grad is not None:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
+        if clip_grad is not None:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
         # A step whose gradients hold inf/NaN is skipped; update() then halves the
         # scale (and doubles it after 2000 good steps).
         scaler.step(optimizer)
@@ -71,7 +66,12 @@ def build(parts: Parts) -> Technique:
 @report_user_errors
 def main(argv=None):
     args = parse_train_args("train_GradScaler", argv, __doc__)
-    device = single_process_device(args.device, loss_scaling=True)
+    device = choose_device(args.device)
+    # The dtype autocast computes in, decided once: float16 on an accelerator, bfloat16 on
+    # the CPU (--amp_dtype: either, where the device has it natively).
+    amp_dtype = resolve_amp_dtype(args.amp_dtype, device)
+    # A GradScaler runs on this device's own kernels for it: one line where it has none.
+    refuse_unsupported(device, loss_scaling=True)
     fp32_math = set_cuda_math(args.tf32, device)
     with RunFolder(args.checkpoint / args.variant, device,
                    args.tensorboard_log / args.variant if args.tensorboard else None) as run:
@@ -86,8 +86,8 @@ def main(argv=None):
                                pretrained=args.pretrained, channels_last=args.channels_last)
         resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
                          args=args)
-        technique = build(Parts(network, lr=args.lr, clip_grad=args.clip_grad,
-                                amp_dtype=args.amp_dtype))
+        technique = build(network, torch.nn.CrossEntropyLoss(), device=device, lr=args.start_lr,
+                          amp_dtype=amp_dtype, clip_grad=args.clip_grad)
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                patience=3)
 
@@ -100,15 +100,16 @@ def main(argv=None):
         with (run.logger(resumed, args.epochs) as log,
               Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
                     num_classes=data.num_classes, args=args) as saver,
-              stop_vote(run.info, log.print) as vote):
-            restore(resumed, technique, scheduler, log, args=args)
+              run.stop_vote(log.print) as vote):
+            restore(resumed, log, args=args, model=technique.model, optimizer=technique.optimizer,
+                    scheduler=scheduler, scaler=technique.scaler)
             if args.compile:
                 compile_in_place(technique.model, mode=args.compile)
             meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                            accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
-                            fp32_math=fp32_math,
+                            amp_dtype=amp_dtype, accum_steps=args.accum_steps,
+                            peak_tflops=args.peak_tflops, fp32_math=fp32_math,
                             profile_dir=run.dir / "profile" if args.profile else None)
-            log.print(header_line(args.variant, technique, data, run.info,
+            log.print(header_line(args.variant, technique, data, run.info, amp_dtype=amp_dtype,
                                   accum_steps=args.accum_steps, clip_grad=args.clip_grad,
                                   fp32_math=fp32_math))
 
@@ -116,9 +117,9 @@ def main(argv=None):
                 sampler.set_epoch(epoch)
                 technique.model.train()
                 # No divergence check: the scaler skips a step with inf/NaN gradients.
-                stats = train_one_epoch(technique.train_step, loader, run.info, epoch=epoch,
-                                        meters=meters, accum_steps=args.accum_steps,
-                                        max_nonfinite=None,
+                stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
+                                        epoch=epoch, start=resumed.step_in(epoch),
+                                        accum_steps=args.accum_steps, max_nonfinite=None,
                                         stop=vote, log_every=args.log_every,
                                         desc=f"epoch {epoch + 1}/{args.epochs}")
                 if stats.stopped_at is not None:

@@ -14,25 +14,18 @@ import sys
 import torch
 
 from ampkit.checkpoint import Saver, restore, resume
-from ampkit.data import build_loaders
-from ampkit.data.samplers import one_process_sampler
-from ampkit.device import single_process_device
-from ampkit.distributed import stop_vote
-from ampkit.engine import count_correct, train_one_epoch
-from ampkit.errors import report_user_errors
+from ampkit.data import build_loaders, one_process_sampler
+from ampkit.device import choose_device, set_cuda_math
+from ampkit.engine import Technique, count_correct, train_one_epoch
 from ampkit.flags import parse_train_args
-from ampkit.log import header_line
 from ampkit.meters import Meters
 from ampkit.models import compile_in_place, make_network
-from ampkit.precision import set_cuda_math
-from ampkit.run_folder import RunFolder
-from ampkit.technique import Parts, Technique
+from ampkit.run import RunFolder, header_line, report_user_errors
 
 
-def build(parts: Parts) -> Technique:
-    model = parts.network
-    criterion = parts.criterion
-    optimizer = torch.optim.AdamW(model.parameters(), lr=parts.lr, fused=True)
+def build(network, criterion, *, lr, clip_grad):
+    model = network
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
     def forward_backward(images, targets, weight):
         loss = criterion(model(images), targets)
@@ -55,8 +48,8 @@ def build(parts: Parts) -> Technique:
         # gradients (clip_grad_norm_ would multiply them all by 1.0 without it).
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
-        if parts.clip_grad is not None:
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.clip_grad, norm)
+        if clip_grad is not None:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
         optimizer.step()
         return losses, norm
 
@@ -66,7 +59,7 @@ def build(parts: Parts) -> Technique:
 @report_user_errors
 def main(argv=None):
     args = parse_train_args("train_without", argv, __doc__)
-    device = single_process_device(args.device)
+    device = choose_device(args.device)
     fp32_math = set_cuda_math(args.tf32, device)
     with RunFolder(args.checkpoint / args.variant, device,
                    args.tensorboard_log / args.variant if args.tensorboard else None) as run:
@@ -83,12 +76,15 @@ def main(argv=None):
         # A resumed run's weights go into the bare network, before build() wraps it.
         resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
                          args=args)
-        technique = build(Parts(network, lr=args.lr, clip_grad=args.clip_grad))
+        technique = build(network, torch.nn.CrossEntropyLoss(), lr=args.start_lr,
+                          clip_grad=args.clip_grad)
         # On validation accuracy, stepped once an epoch (the article stepped on the last
         # batch's loss).
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                patience=3)
 
+        # What a checkpoint holds: every entry is saved, beside the run's record, and a
+        # --resume loads each back into the object restore() names for it.
         def training_state():
             return {"model": technique.model.state_dict(),
                     "optimizer": technique.optimizer.state_dict(),
@@ -97,15 +93,16 @@ def main(argv=None):
         with (run.logger(resumed, args.epochs) as log,
               Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
                     num_classes=data.num_classes, args=args) as saver,
-              stop_vote(run.info, log.print) as vote):
-            restore(resumed, technique, scheduler, log, args=args)
+              run.stop_vote(log.print) as vote):
+            restore(resumed, log, args=args, model=technique.model, optimizer=technique.optimizer,
+                    scheduler=scheduler)
             if args.compile:
                 compile_in_place(technique.model, mode=args.compile)
             meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                            accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
-                            fp32_math=fp32_math,
+                            amp_dtype=None, accum_steps=args.accum_steps,
+                            peak_tflops=args.peak_tflops, fp32_math=fp32_math,
                             profile_dir=run.dir / "profile" if args.profile else None)
-            log.print(header_line(args.variant, technique, data, run.info,
+            log.print(header_line(args.variant, technique, data, run.info, amp_dtype=None,
                                   accum_steps=args.accum_steps, clip_grad=args.clip_grad,
                                   fp32_math=fp32_math))
 
@@ -116,9 +113,9 @@ def main(argv=None):
                 # The loss is read on the host every --log_every steps, not every step (the
                 # article's .item() made the host wait for the GPU at each); 5 inf/NaN losses
                 # in a row end the run.
-                stats = train_one_epoch(technique.train_step, loader, run.info, epoch=epoch,
-                                        meters=meters, accum_steps=args.accum_steps,
-                                        max_nonfinite=5,
+                stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
+                                        epoch=epoch, start=resumed.step_in(epoch),
+                                        accum_steps=args.accum_steps, max_nonfinite=5,
                                         stop=vote, log_every=args.log_every,
                                         desc=f"epoch {epoch + 1}/{args.epochs}")
                 # A stop signal (a scheduler's SIGTERM, Ctrl-C): last.pth saved where it

@@ -21,7 +21,7 @@
 # before it; no process of a step outlives it (bench/steps.sh); the header's commands
 # have timeouts too.
 #   1. the step benchmark at 227, batch 256, every row with its speed-up over the fp32 row
-#      of its parallel mode and its share of the GPU's peak (by name, ampkit/flops.py):
+#      of its parallel mode and its share of the GPU's peak (by name, ampkit/device.py):
 #      single device, DataParallel, DDP and FSDP2 (one-process NCCL groups) in fp32 /
 #      fp16 / fp16 + GradScaler; then where a step's time goes at the scripts' own batch
 #      (64 at 227 px): the share of the wall time the GPU ran kernels (torch.profiler),
@@ -58,7 +58,7 @@ if [ $DRY = 1 ]; then
   BUSY_BS=2
 else
   DEV=--cuda; IMG=227; BS=256; STEPS="--steps 30 --warmup 10"; NTRAIN=50000; NTEST=10000
-  PIPE_B=30; WORKERS=8; PEAK=""  # the peaks: by the GPU's name (ampkit/flops.py)
+  PIPE_B=30; WORKERS=8; PEAK=""  # the peaks: by the GPU's name (ampkit/device.py)
   S_TRAIN=2560; S_TEST=512; S_IMG=128; S_BS=64  # the short runs: data, image size, batch
   TF32=--tf32; NO_TF32=--no-tf32
   BUSY_BS=64  # the scripts' default batch

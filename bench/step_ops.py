@@ -119,7 +119,7 @@ def run_floor(script: str, arch: str, img_size: int, batch_size: int,
 
     from ampkit.data.datasets import MEAN, STD
     from ampkit.data.on_device import load_uint8
-    from ampkit.device import DistInfo
+    from ampkit.distributed import DistInfo
     from ampkit.models import build_model, shard_units
 
     parallel, precision = technique_of(script)
@@ -273,8 +273,8 @@ def main(argv=None) -> int:
 
 def table(rows: List[Dict], args) -> str:
     timed = args.rounds > 0
-    head = (f"| script | ops / step | floor | ratio |"
-            + (f" host µs / step | floor µs | ratio |" if timed else ""))
+    head = ("| script | ops / step | floor | ratio |"
+            + (" host µs / step | floor µs | ratio |" if timed else ""))
     lines = [head, "|---|--:|--:|--:|" + ("--:|--:|--:|" if timed else "")]
     for row in rows:
         line = f"| `{row['script']}` | {row['ops']:g} | {row['floor']:g} | {row['ratio']:.3f}x |"

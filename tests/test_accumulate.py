@@ -17,10 +17,11 @@ from helpers.processes import PYTHON, run, torchrun
 CPU = torch.device("cpu")
 
 
-def _parts(model, **kw):
-    from ampkit.technique import Parts
+def _build(script: str, model, **kw):
+    """The script's own build() of ``model`` (its technique, on the CPU)."""
+    from tools.variants import build_variant
 
-    return Parts(model, nn.CrossEntropyLoss(), **kw)
+    return build_variant(script, model, **kw)
 
 
 def _batches(n: int, size: int, px: int, seed: int = 1):
@@ -47,7 +48,6 @@ def test_micro_batches_of_4_and_1_make_the_step_of_their_union():
     float32 the kernels of one CPU round a batch of 4 and one of 5 differently enough to
     move a ReLU or a max-pool's pick now and then, a test of the hardware, not of the
     step."""
-    import train_without
     from alexnet import alexnet
 
     torch.manual_seed(0)
@@ -57,9 +57,9 @@ def test_micro_batches_of_4_and_1_make_the_step_of_their_union():
     twin = copy.deepcopy(model)
     window = [(x.double(), y) for x, y in _batches(1, 5, 64)]
     window = [(window[0][0][:4], window[0][1][:4]), (window[0][0][4:], window[0][1][4:])]
-    accumulated = train_without.build(_parts(model))
+    accumulated = _build("train_without", model)
     losses, norm = accumulated.train_step(window)
-    whole = train_without.build(_parts(twin))
+    whole = _build("train_without", twin)
     [whole_loss], whole_norm = whole.train_step([(torch.cat([x for x, _ in window]),
                                                   torch.cat([y for _, y in window]))])
     # The step's loss, as the loop makes it of the micro-batches' means: by their images.
@@ -74,14 +74,14 @@ def test_micro_batches_of_4_and_1_make_the_step_of_their_union():
 def test_a_short_last_window_is_weighted_as_what_it_holds():
     """5 micro-batches with K = 2: steps over 2, 2 and 1; the last one's gradient is that one
     micro-batch's mean loss's, not half of it."""
-    import train_without
-    from ampkit.device import DistInfo
+    from ampkit.distributed import DistInfo
     from ampkit.engine import train_one_epoch
+    from ampkit.meters import StepMeters
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                           nn.Linear(4, 3))
-    t = train_without.build(_parts(model))
+    t = _build("train_without", model)
     batches, sizes, want = _batches(5, 4, 16), [], []
 
     def step(window):
@@ -92,7 +92,8 @@ def test_a_short_last_window_is_weighted_as_what_it_holds():
             want.extend(_grads(twin))
         return t.train_step(window)
 
-    stats = train_one_epoch(step, batches, DistInfo(device=CPU), accum_steps=2)
+    stats = train_one_epoch(step, batches, DistInfo(device=CPU), meters=StepMeters(None),
+                            accum_steps=2)
     assert sizes == [2, 2, 1] and stats.steps == 3 and stats.images == 20
     assert _close(_grads(model), want, 1e-5), "the short window's gradient is not its own"
 
@@ -102,18 +103,15 @@ def test_clipped_gradients_with_a_scaler_are_those_without(accum_steps):
     """GradScaler (a fixed scale of 2**16) with --clip_grad: unscale_ once per step, then the
     clip, gives the gradients the same step gets without a scaler; K > 1 raises no
     "unscale_() has already been called"."""
-    import train_autocast
-    import train_GradScaler
-
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                         nn.Linear(8, 3))
     twin = copy.deepcopy(net)
     window = [(100 * x, y) for x, y in _batches(accum_steps, 4, 16)]  # norms well above 0.5
-    scaled = train_GradScaler.build(_parts(net, clip_grad=0.5))
+    scaled = _build("train_GradScaler", net, clip_grad=0.5)
     scaled.scaler.load_state_dict(scaled.scaler.state_dict()
                                   | {"scale": 2.0 ** 16, "growth_interval": 10**6})
-    plain = train_autocast.build(_parts(twin, clip_grad=0.5))
+    plain = _build("train_autocast", twin, clip_grad=0.5)
     _, norm = scaled.train_step(window)
     _, plain_norm = plain.train_step(window)
     assert norm.item() == pytest.approx(plain_norm.item(), rel=1e-6) and norm.item() > 0.5
@@ -132,8 +130,6 @@ def test_every_scaler_script_accumulates_and_clips_as_at_scale_one(script, gloo_
     scale of 1 (a power of two scales exactly), so the scale comes off once per step, before
     the clip (a second unscale_ raises; none would clip the scaled gradients). FSDP2's own
     mixed precision takes the scaler in float16."""
-    import importlib
-
     from ampkit.checkpoint.files import strip_prefixes
 
     dtype = torch.float16 if script == "train_FSDP_mixed" else None
@@ -142,7 +138,7 @@ def test_every_scaler_script_accumulates_and_clips_as_at_scale_one(script, gloo_
         torch.manual_seed(0)
         net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                             nn.Flatten(), nn.Linear(8, 3))
-        t = importlib.import_module(script).build(_parts(net, clip_grad=0.5, amp_dtype=dtype))
+        t = _build(script, net, clip_grad=0.5, amp_dtype=dtype)
         t.scaler.load_state_dict(t.scaler.state_dict()
                                  | {"scale": scale, "growth_interval": 10**6})
         batch = _batches(1, 5, 16)[0]

@@ -160,18 +160,15 @@ def test_fsdp_resumes_after_sigkill(imagefolder_root, tmp_path):
 def test_fsdp_precision_is_what_the_script_says(variant, gloo_of_one):
     """autocast: per operator, under the script's autocast; MixedPrecisionPolicy: the block's
     parameters are cast, no autocast needed, and the root's output is float32 again."""
-    import importlib
-
     from alexnet import alexnet
-    from ampkit.technique import Parts
+    from tools.variants import build_variant
 
     torch.manual_seed(0)
     net = alexnet(num_classes=3).eval()
     seen = {}
     net.classifier[4].register_forward_hook(lambda m, i, o: seen.__setitem__("fc2", o.dtype))
-    v = importlib.import_module(variant).build(Parts(net, nn.CrossEntropyLoss(),
-                                                     amp_dtype="bfloat16"))
-    assert v.amp_dtype is torch.bfloat16 and v.precision == variant.rsplit("_", 1)[1]
+    v = build_variant(variant, net, amp_dtype=torch.bfloat16)
+    assert (v.autocast is not None) == variant.endswith("autocast")
     with torch.no_grad(), v.autocast or torch.autocast("cpu", enabled=False):
         out = v.model(torch.randn(2, 3, 64, 64))
     assert seen["fc2"] == torch.bfloat16
@@ -184,8 +181,7 @@ def test_fsdp_mixed_scales_the_loss_for_a_float16_reduce(gloo_of_one):
     """--amp_dtype bfloat16 --reduce_dtype float16: the gradients are reduced (and added up)
     in float16, where values under 6e-8 flush to zero; a GradScaler scales them first, so a
     tiny loss still gives the optimizer its gradients (and its skips are counted)."""
-    import train_FSDP_mixed
-    from ampkit.technique import Parts
+    from tools.variants import build_variant
 
     class TinyLoss(nn.CrossEntropyLoss):
         def forward(self, outputs, targets):
@@ -193,9 +189,9 @@ def test_fsdp_mixed_scales_the_loss_for_a_float16_reduce(gloo_of_one):
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3))
-    t = train_FSDP_mixed.build(Parts(net, TinyLoss(), amp_dtype=torch.bfloat16,
-                                     reduce_dtype=torch.float16, lr=0.0))
-    assert t.scaler is not None and t.precision == "mixed"
+    t = build_variant("train_FSDP_mixed", net, TinyLoss(), amp_dtype=torch.bfloat16,
+                      reduce_dtype=torch.float16, lr=0.0)
+    assert t.scaler is not None and t.autocast is None
     _, norm = t.train_step([(torch.randn(4, 3, 2, 2), torch.tensor([0, 1, 2, 0]))])
     assert 1e-11 < norm.item() < 1e-8  # unscaled, and not flushed to zero on the wire
 
@@ -203,26 +199,24 @@ def test_fsdp_mixed_scales_the_loss_for_a_float16_reduce(gloo_of_one):
 def test_fsdp_mixed_refuses_batchnorm_networks():
     import torchvision
 
-    import train_FSDP_mixed
-    from ampkit.technique import Parts
     from ampkit.errors import UserError
+    from tools.variants import build_variant
 
     net = torchvision.models.get_model("resnet18", num_classes=3)
     with pytest.raises(UserError, match="BatchNorm.*train_FSDP_autocast"):
-        train_FSDP_mixed.build(Parts(net, nn.CrossEntropyLoss()))
+        build_variant("train_FSDP_mixed", net)
 
 
 def test_fsdp_takes_a_channels_last_model(gloo_of_one):
     """--channels_last makes the conv weights channels_last, which fully_shard refuses
     ("FSDP does not support non-contiguous parameters"): the FSDP2 scripts shard contiguous
     weights and still train on channels_last inputs."""
-    import train_FSDP
     from alexnet import alexnet
-    from ampkit.technique import Parts
+    from tools.variants import build_variant
 
     torch.manual_seed(0)
     net = alexnet(num_classes=3).to(memory_format=torch.channels_last)
-    t = train_FSDP.build(Parts(net, nn.CrossEntropyLoss()))
+    t = build_variant("train_FSDP", net)
     images = torch.randn(2, 3, 64, 64).contiguous(memory_format=torch.channels_last)
     [loss], norm = t.train_step([(images, torch.tensor([0, 2]))])
     assert torch.isfinite(loss) and torch.isfinite(norm)

@@ -145,3 +145,47 @@ def test_best_is_a_second_name_that_the_next_saves_leave_alone(tmp_path):
     assert torch.load(last, weights_only=True)["epoch"] == 3
     kept = torch.load(best, weights_only=True)
     assert kept["epoch"] == 1 and torch.equal(kept["w"], torch.ones(1000))
+
+
+def test_an_entry_added_to_training_state_is_saved_and_resumed_by_its_name(tmp_path, capsys):
+    """The script's training_state() is the checkpoint: an entry a user adds to it (an EMA of
+    the weights, say) is saved whole beside the run's record, and a resume loads it back into
+    the object restore() is given by the same name; an entry no object takes is said in
+    the resume's lines, not dropped in silence."""
+    from torch import nn
+
+    from ampkit.checkpoint import LAST, Saver, restore, resume
+    from ampkit.distributed import DistInfo
+    from ampkit.flags import parse_train_args
+    from ampkit.run import RunLogger
+
+    info, run_dir = DistInfo(torch.device("cpu")), tmp_path / "train_without"
+    run_dir.mkdir()
+    flags = ["--dataset", "FakeData", "--checkpoint", str(tmp_path), "--epochs", "2"]
+
+    def objects(seed: int):
+        torch.manual_seed(seed)
+        network, ema = nn.Linear(4, 3), nn.Linear(4, 3)  # the EMA: a second set of weights
+        return network, torch.optim.AdamW(network.parameters(), lr=1e-3), ema
+
+    network, optimizer, ema = objects(0)
+    resumed = resume(None, run_dir, network, info, init_from=None,
+                     args=parse_train_args("train_without", flags))
+    with Saver(run_dir, info, resumed, save_every="1", epochs=2, num_classes=3,
+               args=parse_train_args("train_without", flags)) as saver:
+        saver.save(lambda: {"model": network.state_dict(), "optimizer": optimizer.state_dict(),
+                            "ema": ema.state_dict()}, 1, val_acc=0.5)
+        saver.finish()
+    assert torch.equal(torch.load(run_dir / LAST, weights_only=True)["ema"]["weight"],
+                       ema.weight)
+
+    args = parse_train_args("train_without", flags + ["--resume"])
+    for given in (True, False):
+        network2, optimizer2, ema2 = objects(1)
+        resumed = resume("auto", run_dir, network2, info, init_from=None, args=args)
+        restore(resumed, RunLogger(True), args=args, model=network2, optimizer=optimizer2,
+                **({"ema": ema2} if given else {}))
+        assert torch.equal(network2.weight, network.weight)
+        assert torch.equal(ema2.weight, ema.weight) == given
+        said = capsys.readouterr().out
+        assert ("the checkpoint's 'ema' is not restored" in said) != given, said

@@ -430,7 +430,7 @@ def test_benchmark_speedup_is_over_the_fp32_row_of_the_same_parallel_mode():
 
 
 def test_peaks_by_gpu_name_and_none_for_an_unknown_one():
-    from ampkit.flops import fp32_peak_math, peak_tflops
+    from ampkit.device import fp32_peak_math, peak_tflops
 
     assert peak_tflops("NVIDIA H200", "half") == 989 and peak_tflops("NVIDIA H200", "tf32") == 495
     assert peak_tflops("NVIDIA H200 NVL", "half") == 835  # not the SXM's

@@ -26,17 +26,14 @@ def _model(dtype):
 
 def _build(variant, model, amp_dtype=None, dp_scope="model"):
     """The variant's objects as its training script makes them, with the script's optimizer."""
-    import importlib
-
-    from ampkit.technique import Parts
+    from tools.variants import build_variant
 
     model = model.to(torch.device("cuda", torch.cuda.current_device()))
-    parts = Parts(model, nn.CrossEntropyLoss(), amp_dtype=amp_dtype, dp_scope=dp_scope)
-    return importlib.import_module(variant).build(parts)
+    return build_variant(variant, model, amp_dtype=amp_dtype, dp_scope=dp_scope)
 
 
 def test_gpu_default_autocast_is_float16():
-    from ampkit.precision import resolve_amp_dtype
+    from ampkit.device import resolve_amp_dtype
 
     dev = torch.device("cuda", torch.cuda.current_device())
     dtype = resolve_amp_dtype(None, dev)
@@ -75,9 +72,11 @@ def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
     .item(), a blocking copy, GradScaler reading its inf flag) raises. ``vote``: in an
     NCCL group, with the ranks' stop vote after every step (on its gloo group, a CPU
     tensor: reading it must not wait for the GPU)."""
-    from ampkit.distributed import StopVote, this_process
-    from ampkit.engine import StepMeters, train_one_epoch
-    from ampkit.signals import StopFlag
+    from ampkit.distributed import Ballots, this_process
+    from ampkit.stop import StopVote
+    from ampkit.engine import train_one_epoch
+    from ampkit.meters import StepMeters
+    from ampkit.stop import StopFlag
 
     if vote:
         request.getfixturevalue("nccl_of_one")
@@ -107,7 +106,7 @@ def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
         assert info.distributed == vote
         stats = train_one_epoch(v.train_step, stream(), info, log_every=1000,
                                 meters=StepMeters(v.scaler),
-                                stop=StopVote(StopFlag(), info) if vote else None)
+                                stop=StopVote(StopFlag(), Ballots(info)) if vote else None)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert checked == [2, 3, 4, 5, 6, 7]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FAST_ARCH, quick_flags, run_main
+from conftest import quick_flags, run_main
 from helpers.device_rules import HOST_READ, as_on_cuda, device_rules, one_line
 from helpers.machines import pretend_machine
 
@@ -95,12 +95,12 @@ def test_a_run_takes_nothing_mps_refuses(script, dataset, imagefolder_root, tmp_
 
 # ------------------------------------------------------------------ CUDA: an epoch's steps
 def _technique(script: str):
-    from ampkit.technique import Parts
+    from tools.variants import build_variant
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                         nn.Linear(4, 10))
-    return importlib.import_module(script).build(Parts(net, amp_dtype=torch.bfloat16))
+    return build_variant(script, net, amp_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("script, dataset, group", [
@@ -115,9 +115,11 @@ def test_an_epoch_and_its_evaluation_keep_cudas_rules(script, dataset, group, im
     import torch.distributed as dist
 
     from ampkit.data import build_loaders
-    from ampkit.data.samplers import one_process_sampler
-    from ampkit.distributed import stop_vote, this_process
-    from ampkit.engine import StepMeters, count_correct, train_one_epoch
+    from ampkit.data.datasets import one_process_sampler
+    from ampkit.distributed import Ballots, this_process
+    from ampkit.stop import voting
+    from ampkit.engine import count_correct, train_one_epoch
+    from ampkit.meters import StepMeters
 
     if group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -128,7 +130,7 @@ def test_an_epoch_and_its_evaluation_keep_cudas_rules(script, dataset, group, im
             rules.on_device(technique.model)
             data = build_loaders(dataset, imagefolder_root, 32, 16, info)
             loader = data.train_loader(one_process_sampler(data.train_size, seed=0))
-            with stop_vote(info, print) as vote:
+            with voting(Ballots(info), print, exiting=False) as vote:
                 with rules.window():
                     stats = train_one_epoch(technique.train_step, loader, info, log_every=2,
                                             meters=StepMeters(technique.scaler), stop=vote)
@@ -143,12 +145,12 @@ def test_an_epoch_and_its_evaluation_keep_cudas_rules(script, dataset, group, im
 def test_pinned_memory_is_what_cuda_would_pin(monkeypatch):
     """The emulation itself: as on CUDA, the fast path pins its epoch's order and a
     DataLoader with pin_memory=True pins its batches."""
-    from ampkit.device import DistInfo
+    from ampkit.distributed import DistInfo
     from ampkit.data.on_device import DeviceLoader
 
     pretend_machine(monkeypatch, None)
-    loader = DeviceLoader(torch.zeros(8, 3, 4, 4, dtype=torch.uint8), torch.zeros(8, dtype=torch.long),
-                          batch_size=4, img_size=4, device=torch.device("cpu"), train=True,
+    loader = DeviceLoader(torch.zeros(8, 3, 4, 4, dtype=torch.uint8),
+                          torch.zeros(8, dtype=torch.long), batch_size=4, img_size=4, device=torch.device("cpu"), train=True,
                           info=DistInfo(torch.device("cpu")))
     with as_on_cuda(monkeypatch), device_rules("cuda") as rules, rules.window():
         order, flips = loader._epoch_indices()

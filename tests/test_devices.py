@@ -13,10 +13,24 @@ import torch
 import torch.distributed as dist
 
 from conftest import FAST_ARCH, quick_flags, run_main
-from ampkit.device import (accelerator, device_type, peak_memory_mb, process_device, refusal,
-                           single_process_device)
+from ampkit.device import (accelerator, choose_device, device_type, peak_memory_mb, refusal,
+                           refuse_unsupported)
 from ampkit.errors import UserError
 from helpers.machines import pretend_machine
+
+
+def single_process_device(choice: str, **what) -> torch.device:
+    """As a one-process script takes its device: ``--device``, then what it cannot run."""
+    device = choose_device(choice)
+    refuse_unsupported(device, **what)
+    return device
+
+
+def process_device(choice: str, local_rank: int, **what) -> torch.device:
+    """As a process of a group takes its device (torchrun's LOCAL_RANK)."""
+    device = choose_device(choice, local_rank)
+    refuse_unsupported(device, process_group=True, **what)
+    return device
 
 
 def test_auto_is_this_machines_accelerator_else_the_cpu(imagefolder_root, tmp_path):
@@ -85,7 +99,7 @@ def test_a_device_that_is_not_there_is_one_line(script, flags, imagefolder_root,
 
 
 def test_the_autocast_dtype_is_the_devices():
-    from ampkit.precision import resolve_amp_dtype
+    from ampkit.device import resolve_amp_dtype
 
     assert resolve_amp_dtype(None, torch.device("cpu")) is torch.bfloat16
     kind = accelerator()
@@ -169,9 +183,8 @@ def test_dataparallel_on_the_cpu_leaves_the_model_there_whatever_the_machine_has
 def test_dataparallel_wraps_the_model_on_cuda(monkeypatch):
     """On CUDA the DataParallel scripts wrap what they replicate: the model, or with
     --dp_scope features its convolutions alone."""
-    import train_DP
     from alexnet import alexnet
-    from ampkit.technique import Parts
+    from tools.variants import build_variant
 
     made = []
 
@@ -186,18 +199,18 @@ def test_dataparallel_wraps_the_model_on_cuda(monkeypatch):
     for scope in ("model", "features"):
         net = alexnet(num_classes=3)
         replicated = net if scope == "model" else net.features
-        model = train_DP.build(Parts(net, dp_scope=scope, device=torch.device("cuda"))).model
+        model = build_variant("train_DP", net, dp_scope=scope, device=torch.device("cuda")).model
         wrapped = model if scope == "model" else model.features
         assert isinstance(wrapped, Recorded) and made[-1] is replicated
     cpu_net = alexnet(num_classes=3)
-    assert train_DP.build(Parts(cpu_net, device=torch.device("cpu"))).model is cpu_net
+    assert build_variant("train_DP", cpu_net, device=torch.device("cpu")).model is cpu_net
     assert len(made) == 2
 
 
 def test_bfloat16_is_refused_where_the_gpu_only_emulates_it(monkeypatch):
     """A V100 or T4 runs bfloat16 emulated, slower than float32; ``is_bf16_supported()``
     says yes unless asked without emulation."""
-    from ampkit.precision import resolve_amp_dtype
+    from ampkit.device import resolve_amp_dtype
 
     pretend_machine(monkeypatch, "cuda", 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")

@@ -32,12 +32,12 @@ def test_skipped_steps_are_each_epochs_own():
     """One GradScaler for the whole run: the steps it skips in an epoch are that epoch's.
     A first scale of 2**127 and large inputs overflow the scaled gradients of the first steps
     (5 on this project's machine), until the halved scale fits."""
-    import train_GradScaler
-    from ampkit.device import DistInfo
-    from ampkit.engine import StepMeters, train_one_epoch
-    from ampkit.technique import Parts
+    from ampkit.distributed import DistInfo
+    from ampkit.engine import train_one_epoch
+    from ampkit.meters import StepMeters
+    from tools.variants import build_variant
 
-    t = train_GradScaler.build(Parts(_tiny_net(), nn.CrossEntropyLoss()))
+    t = build_variant("train_GradScaler", _tiny_net())
     t.scaler.load_state_dict(t.scaler.state_dict() | {"scale": 2.0 ** 127})
     gen = torch.Generator().manual_seed(0)
     batches = [(1000 * torch.randn(4, 3, 16, 16, generator=gen),
@@ -61,15 +61,14 @@ def test_peak_memory_is_each_epochs_own(imagefolder_root, tmp_path, capsys, monk
         pytest.skip("this system cannot reset a process's peak RSS")
     real_build, calls = train_without.build, []
 
-    def build(parts):
-        t = real_build(parts)
+    def build(*args, **kwargs):
+        t = real_build(*args, **kwargs)
         step = t.train_step
 
         def step_with_a_spike(micro_batches):
             calls.append(1)
             if len(calls) == 1:
-                spike = torch.ones(384 * 2**20)  # 1.5 GB, written
-                del spike
+                torch.ones(384 * 2**20)  # 1.5 GB, written, then let go
             return step(micro_batches)
 
         t.train_step = step_with_a_spike
@@ -119,7 +118,7 @@ def test_every_epoch_trains_in_a_new_order(script, imagefolder_root, tmp_path, c
 
 
 def test_several_processes_without_a_distributed_sampler_are_refused():
-    from ampkit.data.samplers import one_process_sampler
+    from ampkit.data.datasets import one_process_sampler
     from ampkit.errors import UserError
 
     assert len(one_process_sampler(10, 0)) == 10
@@ -138,6 +137,23 @@ def test_a_log_file_gets_a_few_progress_lines_not_one_per_step(imagefolder_root,
                    "--arch", FAST_ARCH)
     assert res.returncode == 0, res.describe()
     assert res.raw_stderr.count("\r") <= 8, res.raw_stderr.count("\r")
+
+
+@pytest.mark.parametrize("shown", [True, False], ids=["rank0", "other-rank"])
+def test_a_progress_bar_starts_and_ends_no_thread(shown):
+    """Every epoch ends one bar and starts the next (validation's) just as the validation
+    loader forks its workers; a thread starting or ending in that moment can leave a worker
+    deadlocked in the fork (CPython gh-112275: a DDP run hung so, its rank waiting for the
+    worker's first batch). tqdm starts a monitor thread with a bar, a disabled one too."""
+    import threading
+
+    from ampkit.engine import progress_bar
+
+    before = set(threading.enumerate())
+    with progress_bar(total=3, desc="train", disable=not shown) as bar:
+        bar.update(3)
+        assert set(threading.enumerate()) == before
+    assert set(threading.enumerate()) == before
 
 
 @pytest.mark.slow
@@ -179,7 +195,7 @@ def test_each_epoch_reports_its_achieved_tflops_and_share_of_the_peak(imagefolde
 def test_the_peak_is_the_gpus_by_its_name_and_a_missing_one_is_said(monkeypatch):
     import torch
 
-    from ampkit.flops import run_peak
+    from ampkit.device import run_peak
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200 NVL")

@@ -18,16 +18,15 @@ import signal
 import pytest
 import torch
 import torchvision.transforms.functional as TF
-from torch import nn
 
 from torch.utils.data import DistributedSampler
 
-from ampkit.device import DistInfo
+from ampkit.distributed import DistInfo
 from ampkit.errors import UserError
 from ampkit.data.classic import eval_loader, train_loader
 from ampkit.data.datasets import STD, build_datasets, build_transform
-from ampkit.data.samplers import one_process_sampler
-from ampkit.data.loaders import build_loaders
+from ampkit.data.datasets import one_process_sampler
+from ampkit.data import build_loaders
 from ampkit.data.on_device import DeviceLoader, fast_loaders, load_uint8
 from tools.cifar_files import write_cifar10
 from tools.measure_input import _ctrl_c_between_batches, measure_input_pipeline
@@ -86,7 +85,7 @@ def test_uint8_split_matches_torchvision(cifar_root):
 def test_training_order_and_flips_match_classic(cifar_root):
     """Same permutation and the same flips, drawn from (seed, epoch, rank) by the sampler on
     both paths: each epoch's images are the classic path's to one uint8 step, some of them
-    mirrored; and a resumed epoch (start_index) gets the very flips of its rest."""
+    mirrored; and a resumed epoch (``batches(start)``) gets the very flips of its rest."""
     img_size = 64
     classic = build_datasets("CIFAR10", cifar_root, img_size, download=False)
     train_set, _, _ = fast_loaders("CIFAR10", cifar_root, img_size, 8, info())
@@ -105,9 +104,9 @@ def test_training_order_and_flips_match_classic(cifar_root):
         plain, _ = classic_images(classic.train, order, img_size)
         mirrored = torch.tensor(flips).view(-1, 1, 1, 1)
         assert torch.equal(ref_images, torch.where(mirrored, TF.hflip(plain), plain))
-        train.sampler.start_index = classic_dl.sampler.start_index = 5
-        assert torch.equal(torch.cat([x for x, _ in classic_dl]), ref_images[5:])
-        train.sampler.start_index = classic_dl.sampler.start_index = 0
+        # A resumed epoch from its second batch on: the same images, the same flips.
+        assert torch.equal(torch.cat([x for x, _ in classic_dl.batches(1)]), ref_images[8:])
+        assert torch.equal(torch.cat([x for x, _ in train.batches(1)]), images[8:])
 
 
 def test_channels_last_option(cifar_root):
@@ -187,14 +186,13 @@ def test_two_ranks_see_every_sample_once_per_epoch(n):
     assert [seen(r) for r in again] == orders[1]
 
 
-def test_start_index_skips_exactly_the_first_batches():
+def test_a_resumed_epoch_skips_exactly_its_first_batches():
     loader = identity_loaders(50, 2, batch_size=4)[1]
     set_epoch([loader], 5)
     full = list(loader)
     assert len(loader) == len(full) == 7
-    loader.sampler.start_index = 3 * 4
-    resumed = list(loader)
-    assert len(loader) == len(resumed) == 4
+    resumed = list(loader.batches(3))
+    assert len(loader) == 7 and len(resumed) == 4 and len(list(loader)) == 7
     for (x, y), (x_ref, y_ref) in zip(resumed, full[3:]):
         assert torch.equal(y, y_ref) and torch.equal(x, x_ref)  # same samples, same flips
 
@@ -227,10 +225,10 @@ def test_validation_shards_cover_each_sample_once(n):
 
 # --------------------------------------------------------------------------- learning
 def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
-    import train_without
     from alexnet import alexnet
     from ampkit.engine import count_correct, train_one_epoch
-    from ampkit.technique import Parts
+    from ampkit.meters import StepMeters
+    from tools.variants import build_variant
 
     torch.manual_seed(0)  # same initial weights, dropout and (classic) flip streams
     model = alexnet(num_classes=num_classes)
@@ -239,12 +237,13 @@ def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
     # compared here is the input path, not the model.
     for i in (1, 4):
         model.classifier[i].requires_grad_(False)
-    v = train_without.build(Parts(model, nn.CrossEntropyLoss(), lr=3e-4))
+    v = build_variant("train_without", model, lr=3e-4)
     losses = []
     for epoch in range(epochs):
         train_dl.sampler.sampler.set_epoch(epoch)
         model.train()
-        losses.append(train_one_epoch(v.train_step, train_dl, info()).loss)
+        losses.append(train_one_epoch(v.train_step, train_dl, info(),
+                                      meters=StepMeters(None)).loss)
     correct, total = count_correct(model, val_dl, info()).tolist()
     return correct / total, losses
 

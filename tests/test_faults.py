@@ -319,7 +319,7 @@ def test_disk_full_during_the_first_write_leaves_no_best_without_last(imagefolde
 _HOLD = """
 import sys, time
 sys.path.insert(0, "AMP")
-from ampkit.run_folder import RunLock
+from ampkit.run import RunLock
 lock = RunLock(sys.argv[1])
 print("locked", flush=True)
 time.sleep(300)
@@ -352,7 +352,7 @@ def test_second_run_in_the_same_folder_is_refused_until_the_first_dies(imagefold
 def test_log_survives_a_kill_mid_write(tmp_path):
     """A partial last line (the process killed while writing it) and rows of epochs the
     checkpoint does not hold are dropped when the run resumes; the rest stays JSON lines."""
-    from ampkit.log import RunLogger
+    from ampkit.run import RunLogger
 
     log = tmp_path / "log.jsonl"
     log.write_text('{"epoch": 1, "val_acc": 0.5}\n{"epoch": 2, "val_acc": 0.6}\n{"epoch": 3, "va')
@@ -507,7 +507,7 @@ def test_random_bytes_are_never_a_traceback(tmp_path):
 def test_ctrl_c_before_training_is_said_once_by_rank_0(rank, said, capsys, monkeypatch):
     """A terminal's Ctrl-C reaches every rank of a torchrun job: one line, rank 0's; every
     rank exits 130."""
-    from ampkit.errors import report_user_errors
+    from ampkit.run import report_user_errors
 
     monkeypatch.setattr("sys.argv", ["prog.py"])
     monkeypatch.setenv("RANK", rank)

@@ -10,7 +10,6 @@ where the caller's thread-local autocast state is not active -- in the right dty
 from __future__ import annotations
 
 import contextlib
-import importlib
 import threading
 import warnings
 
@@ -19,11 +18,11 @@ import torch
 from torch import nn
 
 from alexnet import AlexNet, alexnet
-from ampkit.technique import Parts, Technique
+from ampkit.engine import Technique
 from ampkit.models import AutocastForward
 from conftest import as_a_dataparallel_replica
-from ampkit.precision import resolve_amp_dtype
-from tools.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS
+from ampkit.device import resolve_amp_dtype
+from tools.variants import ARTICLE_VARIANTS, TRAIN_VARIANTS, build_variant
 
 CPU = torch.device("cpu")
 
@@ -62,11 +61,11 @@ def build(variant: str, model: nn.Module, dp_scope: str = "model",
     script's as on CUDA, where it wraps the model (on this machine without GPUs the
     DataParallel it builds calls the model as it is, in this thread)."""
     cuda = variant.startswith("train_DP") and not variant.startswith("train_DDP")
-    parts = Parts(model, nn.CrossEntropyLoss(), amp_dtype=getattr(torch, amp_dtype),
-                  dp_scope=dp_scope, lr=0.0, device=torch.device("cuda" if cuda else "cpu"))
     with warnings.catch_warnings():  # CUDA's autocast and GradScaler, disabled without a GPU
         warnings.filterwarnings("ignore", ".*CUDA is not available", UserWarning)
-        return importlib.import_module(variant).build(parts)
+        return build_variant(variant, model, amp_dtype=getattr(torch, amp_dtype),
+                             dp_scope=dp_scope, lr=0.0,
+                             device=torch.device("cuda" if cuda else "cpu"))
 
 
 def bf16_ctx():
@@ -86,7 +85,8 @@ def test_variant_forward_dtype(variant, model, images, gloo_of_one):
     expected_wrapper = {"single": AlexNet, "dp": nn.DataParallel,
                         "ddp": nn.parallel.DistributedDataParallel}[parallel]
     assert type(v.model) is expected_wrapper
-    assert v.precision == precision and v.amp_dtype == (None if precision == "fp32" else want)
+    assert (v.autocast is None) == (precision == "fp32")
+    assert v.autocast is None or v.autocast.fast_dtype == want
     assert (v.scaler is not None) == (precision == "grad_scaler")
     assert v.optimizer.param_groups[0]["params"][0] is next(model.parameters())
     # The DataParallel autocast scripts wrap what is replicated, so that it re-enters autocast
@@ -218,7 +218,7 @@ def test_tf32_flags_stay_readable_after_set_tf32():
     read = ("print(torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32, "
             "torch.backends.cudnn.conv.fp32_precision)")
     code = (f"import sys; sys.path.insert(0, {str(AMP_DIR)!r}); import torch; "
-            f"from ampkit.precision import set_tf32; set_tf32(True); {read}; "
+            f"from ampkit.device import set_tf32; set_tf32(True); {read}; "
             f"set_tf32(False); {read}")
     res = run([PYTHON, "-c", code], timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -249,18 +249,18 @@ def test_the_compiled_step_trains_as_the_eager_one():
     tolerance (inductor fuses and reorders, and bfloat16 rounds at other points)."""
     import copy
 
-    import train_autocast
     from ampkit.models import compile_in_place
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
-    eager = train_autocast.build(Parts(copy.deepcopy(net), amp_dtype=torch.bfloat16, lr=1e-2))
-    compiled = train_autocast.build(Parts(net, amp_dtype=torch.bfloat16, lr=1e-2))
+    eager = build_variant("train_autocast", copy.deepcopy(net), amp_dtype=torch.bfloat16, lr=1e-2)
+    compiled = build_variant("train_autocast", net, amp_dtype=torch.bfloat16, lr=1e-2)
     compile_in_place(compiled.model)
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
-        batch = [(torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 3, (8,), generator=gen))]
+        batch = [(torch.randn(8, 3, 16, 16, generator=gen),
+                  torch.randint(0, 3, (8,), generator=gen))]
         [want], want_norm = eager.train_step(batch)
         [got], got_norm = compiled.train_step(batch)
         assert got.item() == pytest.approx(want.item(), rel=2e-2)

@@ -390,13 +390,11 @@ def test_eval_with_folder_without_checkpoint(tmp_path, capsys):
 
 def _nan_model_run(variant: str):
     """The variant's own step on a small network whose output is NaN, over 8 tiny batches."""
-    import importlib
-
     from torch import nn
 
-    from ampkit.device import DistInfo
-    from ampkit.technique import Parts
-    from ampkit.engine import StepMeters
+    from ampkit.distributed import DistInfo
+    from ampkit.meters import StepMeters
+    from tools.variants import build_variant
 
     cpu = torch.device("cpu")
     torch.manual_seed(0)
@@ -404,8 +402,7 @@ def _nan_model_run(variant: str):
                           nn.Linear(4, 3))
     with torch.no_grad():
         model[-1].bias.fill_(float("nan"))
-    v = importlib.import_module(variant).build(Parts(model, torch.nn.CrossEntropyLoss(),
-                                                     lr=0.0))
+    v = build_variant(variant, model, lr=0.0)
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randn(2, 3, 64, 64, generator=gen), torch.randint(0, 3, (2,), generator=gen))
                for _ in range(8)]
@@ -415,9 +412,9 @@ def _nan_model_run(variant: str):
 def test_nonfinite_loss_without_scaler_stops_with_clear_error():
     from ampkit.engine import TrainingDiverged, train_one_epoch
 
-    step, batches, info, _ = _nan_model_run("train_without")
+    step, batches, info, meters = _nan_model_run("train_without")
     with pytest.raises(TrainingDiverged, match="inf/NaN for 5 consecutive steps"):
-        train_one_epoch(step, batches, info, log_every=5, max_nonfinite=5)
+        train_one_epoch(step, batches, info, meters=meters, log_every=5, max_nonfinite=5)
 
 
 def test_nonfinite_with_scaler_counts_skipped_steps():

@@ -174,12 +174,11 @@ def test_train_script_runs_end_to_end(variant, runs):
     assert h["device"].rstrip(",") == "cpu", "--device cpu must run on the CPU"
     if run.nproc:  # torchrun --nproc_per_node=2 ... --device cpu: the CPU's backend
         assert f"x{run.nproc} processes over gloo" in h["rest"], out
-    precision = ("grad_scaler" if variant.endswith("GradScaler") else
-                 "autocast" if variant.endswith("autocast") else
-                 "mixed" if variant.endswith("mixed") else "fp32")
-    assert f"precision {precision}" in h["rest"], out
-    if precision != "fp32":
-        assert "(bfloat16)" in h["rest"], "CPU autocast must default to bfloat16"
+    # The precision the run's objects compute in, bfloat16 by default on the CPU.
+    precision = ("autocast (bfloat16) + GradScaler" if variant.endswith("GradScaler") else
+                 "autocast (bfloat16)" if variant.endswith("autocast") else
+                 "MixedPrecisionPolicy (bfloat16)" if variant.endswith("mixed") else "fp32")
+    assert f"precision {precision}," in h["rest"], out
     assert len(re.findall(r"^done: ", out, re.M)) == 1, out
 
     # One summary line per epoch, with the whole (unpadded) val set counted.
@@ -196,7 +195,7 @@ def test_train_script_runs_end_to_end(variant, runs):
     for row, (_, _, loss, acc, correct, total) in zip(rows, lines):
         assert row["train_loss"] == pytest.approx(float(loss), abs=1e-4)
         assert row["val_acc"] == pytest.approx(int(correct) / int(total))
-        assert (row.get("grad_scale") is not None) == (precision == "grad_scaler"), row
+        assert (row.get("grad_scale") is not None) == variant.endswith("GradScaler"), row
 
 
 @pytest.mark.parametrize("variant", TRAIN_SCRIPTS)
@@ -214,7 +213,7 @@ def test_checkpoint_is_prefix_free_and_complete(variant, runs):
     last = _load(run.run_dir / "last.pth")
     # last.pth is the full training state; best.pth the checkpoint of the best epoch (with
     # --save_every 1, that epoch's last.pth itself: its full state too).
-    assert (last["scaler"] is not None) == variant.endswith("GradScaler")
+    assert (last.get("scaler") is not None) == variant.endswith("GradScaler")
     assert {"optimizer", "scheduler", "rng"} <= set(last)
     assert last["epoch"] == run.epochs
     rows = run.log_rows()

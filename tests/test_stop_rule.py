@@ -3,7 +3,7 @@ waiting: two gloo processes (fresh interpreters, ``torch.multiprocessing.spawn``
 DDP script in-process, each scenario a signal to one rank -- or different ones to both --
 in a step, in an epoch's last (short) step, in validation, in the save, in the last epoch;
 then a ``fully_shard`` model's validation over uneven and empty shards.
-The rule: ampkit/signals.py."""
+The rule: ampkit/stop.py."""
 from __future__ import annotations
 
 import json

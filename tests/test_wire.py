@@ -71,7 +71,7 @@ def test_powersgd_keeps_its_warm_up_when_a_resume_trains_longer():
     """The default warm-up is 10 % of the run's optimizer steps: a resume with more --epochs
     keeps the saved one (else a compressed run would go back to plain all-reduce), and says
     so; one given by --powersgd_start_iter is this run's, which the changed-flags line names."""
-    from ampkit.comm_hooks import CommHook
+    from ampkit.distributed import CommHook
 
     saved = CommHook("powersgd", run_steps=30).state_dict()  # warm-up: 3 steps
     saved["iter"] = 5  # compressing already

@@ -225,9 +225,11 @@ def test_the_stop_lands_after_the_step_or_with_peers_the_next(group, request):
     """A signal during step 3 of 10 (--log_every 20): one process stops after step 3; in a
     process group, where the vote cast after step 3 is read after step 4, after step 4.
     Either way the epoch ends there, at any --log_every."""
-    from ampkit.distributed import StopVote, this_process
+    from ampkit.distributed import Ballots, this_process
+    from ampkit.stop import StopVote
     from ampkit.engine import train_one_epoch
-    from ampkit.signals import StopFlag
+    from ampkit.meters import StepMeters
+    from ampkit.stop import StopFlag
 
     if group:
         request.getfixturevalue("gloo_of_one")
@@ -242,7 +244,8 @@ def test_the_stop_lands_after_the_step_or_with_peers_the_next(group, request):
         return [torch.tensor(1.0)], torch.tensor(1.0)
 
     batches = [(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long))] * 10
-    stats = train_one_epoch(step, batches, info, stop=StopVote(flag, info), log_every=20)
+    stats = train_one_epoch(step, batches, info, meters=StepMeters(None),
+                            stop=StopVote(flag, Ballots(info)), log_every=20)
     assert stats.stopped_at == len(steps) == (4 if group else 3)
 
 
@@ -270,7 +273,7 @@ def test_the_set_up_builds_one_model_and_gives_each_rank_a_stream_of_its_own():
     same rank and seed."""
     import torch.nn.functional as F
 
-    from ampkit.device import DistInfo
+    from ampkit.distributed import DistInfo
     from ampkit.models import make_network
 
     weights, masks = [], []

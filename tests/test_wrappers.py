@@ -1,16 +1,11 @@
 """Wrapper prefixes: whatever wraps the model (DP on the whole model or on model.features,
 DDP, torch.compile), the saved weights carry the bare AlexNet's keys."""
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
 import train_DP
 from alexnet import alexnet
-from ampkit.technique import Parts
 from ampkit.checkpoint import files as checkpoint_files
-from ampkit.device import DistInfo
-from ampkit.checkpoint.saver import checkpoint_state
 
 
 def _bare_keys():
@@ -21,17 +16,15 @@ def _dp(dp_scope: str) -> nn.Module:
     """train_DP's model as on CUDA, where it wraps (without GPUs, the DataParallel built
     calls the model as it is)."""
     model = alexnet(num_classes=3)
-    parts = Parts(model, nn.CrossEntropyLoss(), dp_scope=dp_scope, device=torch.device("cuda"))
-    return train_DP.build(parts).model
+    return train_DP.build(model, nn.CrossEntropyLoss(), device=torch.device("cuda"), lr=1e-4,
+                          clip_grad=None, dp_scope=dp_scope).model
 
 
 def _saved(model: nn.Module) -> dict:
     """The weights as a DataParallel script hands them over (the model inside a whole-model
     DataParallel), as the checkpoint holds them."""
     bare = model.module if isinstance(model, nn.DataParallel) else model
-    args = SimpleNamespace(arch="alexnet", variant="train_DP")
-    return checkpoint_state({"model": bare.state_dict()}, args, DistInfo(torch.device("cpu")),
-                            {}, 3, random_states=None)["model"]
+    return checkpoint_files.strip_prefixes(bare.state_dict())  # as the saver writes them
 
 
 def test_dp_on_features_only_saves_bare_keys_and_runs():

@@ -1,12 +1,13 @@
 """The training code the AMP scripts share. Each script in ``AMP/`` builds its own technique
 (wrapper, precision objects, training step) and runs its own epochs; it stands on:
 
-- the epoch: :mod:`.engine` (``train_one_epoch``, ``count_correct``), :mod:`.meters` (the
-  epoch's figures), :mod:`.technique` (what a script's ``build()`` takes and returns);
-- the run: :mod:`.run_folder` (its folder, logger and last line), :mod:`.checkpoint`
-  (saving, resuming), :mod:`.signals` (stops), :mod:`.log`, :mod:`.flags`;
-- the process group: :mod:`.distributed`, the one module that talks to it;
-- the data: :mod:`.data`; the networks: :mod:`.models`; precision: :mod:`.precision`;
-  DDP's comm hooks: :mod:`.comm_hooks`; FLOPs and peaks: :mod:`.flops`;
-- this process: :mod:`.device`, :mod:`.errors`, :mod:`.randomness`.
+- the epoch: :mod:`.engine` (``Technique``, ``train_one_epoch``, ``count_correct``, the
+  progress bars) and :mod:`.meters` (every figure of the epoch and the run, the profiler);
+- the run: :mod:`.run` (its folder, log and exit), :mod:`.stop` (signal, vote, exit status),
+  :mod:`.checkpoint` (saving, resuming), :mod:`.flags`;
+- the process group: :mod:`.distributed` (the one module that talks to it, and DDP's comm
+  hooks);
+- the data: :mod:`.data`; the networks and their FLOPs: :mod:`.models`;
+- this process: :mod:`.device` (which device, what it refuses, what it computes in, its
+  peak), :mod:`.errors`, :mod:`.randomness`; the eval scripts' driver: :mod:`.evaluate`.
 """

@@ -1,38 +1,40 @@
-"""Where this process runs: its device, its place among the processes, and the device's own
-clock sync and memory peaks, by PyTorch's device-generic calls (``torch.accelerator``).
+"""This process's device: which one, what it cannot run, what it computes in, its clock sync
+and memory peaks, by PyTorch's device-generic calls (``torch.accelerator``), and its peak
+TFLOP/s.
 
-- The device (``--device``): ``auto`` is the accelerator this machine has --
-  ``torch.accelerator.current_accelerator(check_available=True)``: CUDA (and ROCm, which
-  PyTorch calls cuda), Intel's XPU or Apple's MPS -- else the CPU; a named one that is not
-  there is one line. ``--cuda`` / ``--no-cuda`` spell ``--device cuda`` / ``cpu``. A
-  script of one process takes the device whole (:func:`single_process_device`); a
-  process of a group takes ``<type>:LOCAL_RANK`` (:func:`process_device`).
-- What a device cannot run is refused in one line (:func:`refusal`): DataParallel is
-  CUDA's (on the CPU it just calls the model, as the article's comparison had it); c10d,
-  PyTorch's collectives, cannot move MPS tensors, so no DDP or FSDP2 there; no GradScaler
-  where its kernels are missing or, on MPS, not yet trusted.
-- :class:`DistInfo`: the device, the rank among ``world_size`` (0 of 1 without a group),
-  the local rank; ``ampkit.distributed.this_process`` makes it from the group.
+- The device (``--device``, :func:`choose_device`): ``auto`` is the accelerator this machine
+  has -- ``torch.accelerator.current_accelerator(check_available=True)``: CUDA (and ROCm,
+  which PyTorch calls cuda), Intel's XPU or Apple's MPS -- else the CPU; a named one that is
+  not there is one line. A process of a group takes ``<type>:LOCAL_RANK``.
+- What a device cannot run is refused in one line (:func:`refuse_unsupported`): DataParallel
+  is CUDA's; c10d, PyTorch's collectives, cannot move MPS tensors, so no DDP or FSDP2 there;
+  no GradScaler where its kernels are missing or, on MPS, not yet trusted.
+- What it computes in (:func:`resolve_amp_dtype`): float16 on an accelerator, bfloat16 on
+  the CPU, bfloat16 only where the device has it natively; CUDA's fp32 math (TF32).
 - ``synchronize`` before a clock is read; the peak memory of a period (reset at its start,
   read at its end): an accelerator's allocator peak (``torch.accelerator.memory``: what it
   handed out, not what it holds), where the device keeps one ("n/a" where not); on the
   CPU the peak resident memory (``VmHWM``), which Linux >= 4.0 lets a process reset
-  through ``/proc/self/clear_refs``. Without a reset the figure would be the peak since
-  the process started.
-"""
+  through ``/proc/self/clear_refs``.
+- One GPU's dense peak in the run's math (:func:`run_peak`), NVIDIA's datasheets' figures
+  halved where they assume 2:4 sparsity: ``half`` fp16/bf16 on the tensor cores with fp32
+  accumulation, as autocast computes; ``tf32`` fp32 convolutions and matmuls on the tensor
+  cores; ``fp32`` the CUDA cores. The first pattern that matches
+  ``torch.cuda.get_device_name()`` wins; a GPU not listed has none (``--peak_tflops``)."""
 from __future__ import annotations
 
 import contextlib
-import os
+import inspect
+import re
 import resource
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from .errors import UserError
+
 
 DEVICES = ("auto", "cuda", "xpu", "mps", "cpu")
 NAMES = {"cuda": "CUDA (or ROCm) GPU", "xpu": "Intel XPU", "mps": "Apple MPS device",
@@ -87,32 +89,12 @@ def refusal(kind: str, *, data_parallel: bool = False, process_group: bool = Fal
     return None
 
 
-def single_process_device(choice: str, *, data_parallel: bool = False,
-                          loss_scaling: bool = False) -> torch.device:
-    """The device of a script that runs in one process (one device, or ``data_parallel``),
-    ``--device`` ``choice``; ``loss_scaling``: the script has a GradScaler."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # torchrun started N copies of a single-process script: each would train the same
-        # model on the same data and write the same files.
-        raise UserError(f"this script runs in one process (one device or DataParallel), but "
-                        f"torchrun started {os.environ['WORLD_SIZE']} (WORLD_SIZE): run it with "
-                        "python, or use a DDP or FSDP script (train_DDP*, train_FSDP*, "
-                        "eval_DDP) under torchrun")
+def choose_device(choice: str, local_rank: Optional[int] = None) -> torch.device:
+    """The device of ``--device`` ``choice`` (:func:`device_type`); a process of a group
+    (``local_rank``: torchrun's LOCAL_RANK) takes its own, ``<type>:LOCAL_RANK``."""
     kind = device_type(choice)
-    why = refusal(kind, data_parallel=data_parallel, loss_scaling=loss_scaling)
-    if why is not None:
-        raise UserError(why)
-    return torch.device(kind)
-
-
-def process_device(choice: str, local_rank: int, *, loss_scaling: bool = False) -> torch.device:
-    """The device this process of a group owns: ``<type>:LOCAL_RANK``, or the CPU."""
-    kind = device_type(choice)
-    why = refusal(kind, process_group=True, loss_scaling=loss_scaling)
-    if why is not None:
-        raise UserError(why)
-    if kind == "cpu":
-        return torch.device("cpu")
+    if local_rank is None or kind == "cpu":
+        return torch.device(kind)
     count = torch.accelerator.device_count()
     if local_rank >= count:
         raise UserError(f"LOCAL_RANK {local_rank} but only {count} {NAMES[kind]}(s) are "
@@ -120,25 +102,19 @@ def process_device(choice: str, local_rank: int, *, loss_scaling: bool = False) 
     return torch.device(kind, local_rank)
 
 
-@dataclass
-class DistInfo:
-    """This process: its device, and its rank among ``world_size`` (0 of 1 without a group)."""
-    device: torch.device
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    distributed: bool = False  # a process group is initialised
-    backend: str = ""          # its backend: nccl, xccl, gloo
+def refuse_unsupported(device: torch.device, *, data_parallel: bool = False,
+                       process_group: bool = False, loss_scaling: bool = False) -> None:
+    """One line if ``device`` cannot run the script: with DataParallel, in a process group
+    (DDP, FSDP2), or with a GradScaler (``loss_scaling``)."""
+    why = refusal(device.type, data_parallel=data_parallel, process_group=process_group,
+                  loss_scaling=loss_scaling)
+    if why is not None:
+        raise UserError(why)
 
-    @property
-    def is_main(self) -> bool:
-        """Global rank 0: the only process that prints, logs and writes."""
-        return self.rank == 0
 
-    @property
-    def is_local_main(self) -> bool:
-        """Local rank 0: the one process per node that prepares data."""
-        return self.local_rank == 0
+# The profiler's name (torch.profiler.record_function) for each read of the device's figures
+# by the host: a training epoch's only host syncs, every --log_every steps and at its end.
+HOST_READ = "ampkit: host read"
 
 
 def pinned(device: torch.device) -> bool:
@@ -206,3 +182,145 @@ def memory_kind(device: torch.device, reset: bool = True) -> str:
     if device.type != "cpu":
         return f"{device.type}_allocated"
     return "max_rss" if reset else "max_rss_since_start"
+
+
+# ---- what the device computes in
+def resolve_amp_dtype(name: Optional[str], device: torch.device) -> torch.dtype:
+    """``--amp_dtype``, or the device's default: float16 on an accelerator (its fast low
+    precision: CUDA's and ROCm's tensor cores, XPU's, MPS's), bfloat16 on the CPU (where
+    CPU autocast supports float16 only for some operators). A dtype the device cannot
+    compute in is one line."""
+    if name is None:
+        name = "bfloat16" if device.type == "cpu" else "float16"
+    dtype = getattr(torch, name)
+    if dtype is torch.bfloat16 and not _bf16_supported(device):
+        module = torch.get_device_module(device.type)
+        what = (module.get_device_name(device) if hasattr(module, "get_device_name")
+                else f"this {device.type} device")
+        raise UserError(f"--amp_dtype bfloat16: {what} does not support bfloat16 (use "
+                        "--amp_dtype float16)")
+    return dtype
+
+
+def _bf16_supported(device: torch.device) -> bool:
+    """CUDA and XPU say so themselves, counting no emulation: by default
+    ``is_bf16_supported()`` says yes on a V100 or T4 too, where bfloat16 is emulated and
+    slower than float32. MPS computes in bfloat16 from macOS 14 on, and an older one refuses
+    a bfloat16 tensor."""
+    if device.type == "cpu":
+        return True
+    check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
+    if check is not None:
+        if "including_emulation" in inspect.signature(check).parameters:
+            return bool(check(including_emulation=False))
+        return bool(check())
+    try:
+        torch.ones(1, dtype=torch.bfloat16, device=device).add_(1)
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
+def cpu_has_fast_bf16() -> Optional[bool]:
+    """True/False from the CPU flags (AVX512-BF16 or AMX), None where they cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+            break
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def slow_bf16(dtype: Optional[torch.dtype], device: torch.device) -> Optional[str]:
+    """A warning when a run computes in bfloat16 on a CPU without native bfloat16."""
+    if dtype is torch.bfloat16 and device.type == "cpu" and cpu_has_fast_bf16() is False:
+        return ("this CPU has no native bfloat16 (AVX512-BF16/AMX): CPU autocast will be "
+                "several times slower than fp32 here")
+    return None
+
+
+def set_tf32(enabled: Optional[bool]) -> str:
+    """Apply --tf32 / --no-tf32 to CUDA's fp32 convolutions and matmuls; None keeps PyTorch's
+    defaults. Returns what fp32 math then is, for labels: on Ampere and newer GPUs TF32
+    (10-bit mantissa) is several times faster than fp32, so an "fp32" baseline is only
+    fp32 where it says so.
+
+    Convolutions take cuDNN's ``fp32_precision`` (torch >= 2.9; the legacy ``allow_tf32``
+    flags warn there). Matmuls take ``torch.set_float32_matmul_precision``, not
+    ``torch.backends.cuda.matmul.fp32_precision``: after the latter, reading the matmul
+    precision (``torch.get_float32_matmul_precision()``, as inductor's autotuning cache
+    does under --compile) raises on torch 2.14, the former keeps every reading consistent."""
+    if enabled is not None:
+        conv = getattr(torch.backends.cudnn, "conv", None)
+        if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9
+            conv.fp32_precision = "tf32" if enabled else "ieee"
+        else:
+            torch.backends.cudnn.allow_tf32 = enabled
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
+    return {True: "tf32", False: "fp32"}.get(enabled, "tf32 conv, fp32 matmul")
+
+
+def set_cuda_math(tf32: Optional[bool], device: torch.device) -> str:
+    """A run's CUDA math: ``set_tf32(tf32)``, and cuDNN picks its convolution kernels for
+    the run's fixed input size; the fp32 math's label ("" off CUDA, where --tf32 and
+    --no-tf32 would change nothing: refused in one line)."""
+    if device.type != "cuda":
+        if tf32 is not None:
+            flag = "--tf32" if tf32 else "--no-tf32"
+            raise UserError(f"{flag} chooses CUDA's fp32 math (TF32 tensor cores or full "
+                            f"fp32); this run is on the {device.type}, whose fp32 is fp32: "
+                            "leave it out")
+        return ""
+    torch.backends.cudnn.benchmark = True
+    return set_tf32(tf32)
+
+
+PEAKS = (
+    # (pattern, half, tf32, fp32)   source, with-sparsity figures halved
+    ("H200 NVL", 835, 418, 60),     # H200 NVL datasheet: FP16 1,671 / TF32 835 sparse; FP32 60
+    ("H200", 989, 495, 67),         # H200 SXM datasheet: FP16 1,979 / TF32 989 sparse; FP32 67
+    ("H100 NVL", 835, 418, 60),     # H100 NVL datasheet: FP16 1,671 / TF32 835 sparse; FP32 60
+    ("H100.*PCIe", 756, 378, 51),   # H100 PCIe datasheet: FP16 1,513 / TF32 756 sparse; FP32 51
+    ("H100", 989, 495, 67),         # H100 SXM datasheet ("H100 80GB HBM3"): as the H200 SXM
+    ("A100", 312, 156, 19.5),       # A100 datasheet, SXM and PCIe: FP16 624 / TF32 312 sparse
+    ("L40S", 362, 183, 91.6),       # L40S datasheet: FP16 733 / TF32 366 sparse; FP32 91.6
+    ("RTX 4090", 165, 82.6, 82.6),  # Ada whitepaper: FP16 with FP32 accumulate 330 sparse
+)
+
+
+MATHS = ("half", "tf32", "fp32")
+
+
+def peak_tflops(gpu_name: str, math: str) -> Optional[float]:
+    """One GPU's dense peak for ``math`` (``half``, ``tf32`` or ``fp32``); None if unknown."""
+    column = MATHS.index(math) + 1
+    for row in PEAKS:  # whole words: an "RTX A1000" is no A100
+        if re.search(rf"\b{row[0]}\b", gpu_name):
+            return float(row[column])
+    return None
+
+
+def run_peak(given: Optional[float], device: torch.device, amp_dtype: Optional[torch.dtype],
+             fp32_math: str) -> Tuple[Optional[float], str]:
+    """(one device's peak for a run's math, a note): ``given`` (``--peak_tflops``) if
+    given; on CUDA the table's for the GPU and the math (``amp_dtype`` fp16/bf16, else
+    ``fp32_math``); none on the CPU. The note, for a GPU the table lacks, says so once."""
+    if given is not None or device.type != "cuda":
+        return given, ""
+    name = torch.cuda.get_device_name(device)
+    peak = peak_tflops(name, "half" if amp_dtype is not None else fp32_peak_math(fp32_math))
+    note = "" if peak is not None else (f"no peak TFLOP/s known for {name} (ampkit/"
+                                        "flops.py): the epoch lines give TFLOP/s without a "
+                                        "share of the peak; --peak_tflops gives one")
+    return peak, note
+
+
+def fp32_peak_math(fp32_math: str) -> str:
+    """Which peak an fp32 run's figures are against, from its math label
+    (``device.set_tf32``): TF32 where its convolutions run in TF32 (they do most of the
+    work of a CNN; PyTorch's default keeps matmuls in fp32), fp32 where nothing does."""
+    return "fp32" if fp32_math == "fp32" else "tf32"

@@ -1,165 +1,75 @@
-"""The epoch loop around a script's training step, and the accuracy count.
+"""The epoch: what a script's ``build()`` returns (:class:`Technique`), the loop around its
+training step (:func:`train_one_epoch`) and the accuracy count (:func:`count_correct`).
 
-``train_one_epoch`` runs a script's step (``ampkit.technique``) on the epoch's micro-batches,
-``accum_steps`` a step, without a host sync per step: each step's loss and gradient norm
-stay on the device as the step returned them (:class:`StepFigures`), and are read on the
-host every ``log_every`` steps and at the epoch's end, within a ``HOST_READ`` span of the
-profiler. Its meters (a run's :class:`ampkit.meters.Meters`, or the :class:`StepMeters`
-alone) say where the epoch starts and whether a GradScaler skips steps, and record
---profile's steps.
-"""
+``train_one_epoch`` runs a script's step on the epoch's micro-batches, ``accum_steps`` a step,
+from where the epoch starts (a resumed epoch's rest: the loader's ``batches(start)``), without
+a host sync per step: its meters (``ampkit.meters``) keep each step's loss and gradient norm
+on the device and read them on the host every ``log_every`` steps and at the epoch's end,
+within a ``HOST_READ`` span of the profiler; the ranks' stop vote is taken after every step."""
 from __future__ import annotations
 
 import contextlib
 import itertools
 import math
+import sys
 import time
 from dataclasses import dataclass
-from typing import ContextManager, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, ContextManager, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from .device import DistInfo, synchronize
-from .distributed import StopVote, gather_from_ranks, max_over_ranks
+from .device import HOST_READ
+from .distributed import DistInfo, max_over_ranks
 from .errors import UserError
-from .log import progress_bar
-from .profiler import StepProfiler
-from .technique import MicroBatches, Step
 
-# The name of the span (torch.profiler.record_function) of each host read of the epoch: the
-# only host syncs of a training epoch, every log_every steps and at its end.
-HOST_READ = "ampkit: host read"
+
+# Seconds between redraws of a progress bar where stderr is not a terminal (a log file,
+# SLURM's, compare.py's children): a few lines a log keeps, not one redraw per step.
+LOG_REDRAW_S = 30.0
+
+
+class _Bar(tqdm):
+    # No monitor thread: tqdm starts one with each bar (a disabled one too) and ends it with
+    # the last, and a thread starting or ending while a DataLoader forks its workers can
+    # leave a worker deadlocked in the fork (CPython gh-112275, in 3.11.7 for one).
+    monitor_interval = 0
+
+
+def progress_bar(iterable=None, **kw) -> tqdm:
+    """tqdm on stderr, which clears itself when done (``leave=False``). In a terminal it
+    redraws as tqdm does; elsewhere every ``LOG_REDRAW_S`` seconds at most."""
+    interactive = sys.stderr.isatty()
+    return _Bar(iterable, leave=False, dynamic_ncols=interactive,
+                mininterval=0.1 if interactive else LOG_REDRAW_S, **kw)
+
+
+# One optimizer step over its micro-batches [(images, targets), ...] -> (each micro-batch's
+# mean loss, the gradient norm before clipping).
+MicroBatches = List[Tuple[torch.Tensor, torch.Tensor]]
+Step = Callable[[MicroBatches], Tuple[List[torch.Tensor], torch.Tensor]]
+
+
+@dataclass
+class Technique:
+    """What a script's ``build()`` returns: the objects that make its variant, which the loop
+    runs, the saver checkpoints and the meters read."""
+    model: nn.Module                           # the network as the script runs it
+    optimizer: torch.optim.Optimizer           # made by the script, over what it trains
+    train_step: Step                           # one optimizer step over its micro-batches
+    autocast: Optional[torch.autocast] = None  # validation runs under it too
+    scaler: Optional[torch.amp.GradScaler] = None
 
 
 class TrainingDiverged(UserError):
     """The loss stayed non-finite for several consecutive steps without a GradScaler."""
 
 
-@dataclass
-class TrainStats:
-    loss: float          # mean training loss over the epoch's finite steps (all ranks)
-    images: int          # images trained on, all ranks together
-    seconds: float       # wall time of the training loop alone
-    steps: int           # optimizer steps taken
-    skipped: int         # steps GradScaler skipped because of inf/NaN gradients
-    nonfinite: int       # steps whose loss or gradient norm was inf/NaN
-    stopped_at: Optional[int] = None  # optimizer step within the epoch where a stop ended it
-    data_seconds: float = 0.0  # part of `seconds` spent waiting for input (rank 0's)
-    grad_norm_mean: float = float("nan")  # gradient norm before clipping, over the finite,
-    grad_norm_max: float = float("nan")   # not skipped steps (rank 0's: the same on all ranks)
-    finite_images: int = 0  # the images of the steps the loss is the mean of
-    norm_steps: int = 0     # the steps the gradient norm is the mean of
-
-    @property
-    def images_per_s(self) -> float:
-        return self.images / self.seconds if self.seconds > 0 else 0.0
-
-    def after(self, before: Optional["TrainStats"]) -> "TrainStats":
-        """The whole epoch: ``before`` (its steps up to a stop, in the stopped run) and
-        these, its steps since the resume; the stop is this part's."""
-        if before is None:
-            return self
-
-        def mean(a: float, n: int, b: float, m: int) -> float:  # of n a's and m b's
-            if not n or not m:  # one side's mean is NaN (of nothing)
-                return a if n else b
-            return (a * n + b * m) / (n + m)
-
-        norms = [x for x in (before.grad_norm_max, self.grad_norm_max) if not math.isnan(x)]
-        return TrainStats(
-            loss=mean(before.loss, before.finite_images, self.loss, self.finite_images),
-            images=before.images + self.images, seconds=before.seconds + self.seconds,
-            steps=before.steps + self.steps, skipped=before.skipped + self.skipped,
-            nonfinite=before.nonfinite + self.nonfinite, stopped_at=self.stopped_at,
-            data_seconds=before.data_seconds + self.data_seconds,
-            grad_norm_mean=mean(before.grad_norm_mean, before.norm_steps,
-                                self.grad_norm_mean, self.norm_steps),
-            grad_norm_max=max(norms) if norms else float("nan"),
-            finite_images=before.finite_images + self.finite_images,
-            norm_steps=before.norm_steps + self.norm_steps)
-
-
-class StepFigures:
-    """An epoch's per-step figures: each step's micro-batch losses and gradient norm as the
-    step returns them, kept on the device (adding a step costs no op and no sync), then read
-    on the host in one copy every ``log_every`` steps and summed there in double precision,
-    each loss weighted by its micro-batch's images -- a device may have no float64 at all
-    (MPS, some Intel GPUs). ``scaled``: a GradScaler runs, and it skips exactly the steps
-    whose unscaled gradients hold an inf/NaN, the ones whose gradient norm (taken after
-    ``unscale_``) is inf/NaN: those are counted as skipped, and their norm in no mean or
-    maximum."""
-
-    def __init__(self, scaled: bool) -> None:
-        self.scaled = scaled
-        self._pending: List[Tuple[List[torch.Tensor], torch.Tensor, List[int]]] = []
-        self.images = self.finite_images = self.norm_steps = 0
-        self.nonfinite = self.skipped = self.bad_run = self.worst_run = 0
-        self.loss_sum = self.norm_sum = 0.0  # loss x images of the finite steps; norms
-        self.norm_max = float("nan")
-
-    def add(self, losses: List[torch.Tensor], norm: torch.Tensor, sizes: List[int]) -> None:
-        """One optimizer step: its micro-batches' mean losses, of ``sizes`` images each."""
-        self._pending.append((losses, norm, sizes))
-
-    def read(self) -> None:
-        """The steps added since the last read, onto the host: the run's host sync."""
-        if not self._pending:
-            return
-        values = iter(torch.stack([t for losses, norm, _ in self._pending
-                                   for t in (*losses, norm)]).tolist())
-        for losses, _, sizes in self._pending:
-            step_losses, norm = [next(values) for _ in losses], next(values)
-            n = sum(sizes)
-            finite_loss, finite_norm = all(map(math.isfinite, step_losses)), math.isfinite(norm)
-            self.images += n
-            if finite_loss:
-                self.loss_sum += sum(loss * size for loss, size in zip(step_losses, sizes))
-                self.finite_images += n
-            if finite_norm:
-                self.norm_sum += norm
-                self.norm_max = norm if math.isnan(self.norm_max) else max(self.norm_max, norm)
-                self.norm_steps += 1
-            self.skipped += self.scaled and not finite_norm
-            bad = not (finite_loss and finite_norm)
-            self.nonfinite += bad
-            self.bad_run = self.bad_run + 1 if bad else 0
-            self.worst_run = max(self.worst_run, self.bad_run)
-        self._pending.clear()
-
-    @property
-    def mean_loss(self) -> float:
-        return self.loss_sum / self.finite_images if self.finite_images else float("nan")
-
-
 def _diverged(worst: int, step: int) -> TrainingDiverged:
     return TrainingDiverged(f"the training loss or gradient norm was inf/NaN for {worst} "
                             f"consecutive steps (by step {step}); stopping. Lower --lr, clip "
                             "the gradients (--clip_grad) or use a GradScaler variant")
-
-
-class StepMeters:
-    """What ``train_one_epoch`` meters besides its figures: whether ``scaler`` (a GradScaler,
-    or None) skips steps, ``profiler``'s steps (None: none), and where an epoch starts
-    (here: at its first step; a run's :class:`ampkit.meters.Meters` knows a resumed
-    epoch's)."""
-
-    def __init__(self, scaler: Optional[torch.amp.GradScaler],
-                 profiler: Optional[StepProfiler] = None) -> None:
-        self.scaled = scaler is not None and scaler.is_enabled()
-        self._profiler = profiler
-
-    def begin_epoch(self, epoch: int) -> int:
-        """The step ``epoch`` starts from."""
-        return 0
-
-    def before(self, epoch: int) -> Optional[dict]:
-        """The figures of ``epoch``'s steps before a stop that the run resumed from."""
-        return None
-
-    def profiler(self, epoch: int) -> Optional[StepProfiler]:
-        return self._profiler
 
 
 def micro_batches_by_step(loader: Iterable, accum_steps: int
@@ -175,42 +85,34 @@ def micro_batches_by_step(loader: Iterable, accum_steps: int
         yield micro_batches, time.perf_counter() - t_wait
 
 
-def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, epoch: int = 0,
-                    meters: Optional[StepMeters] = None, accum_steps: int = 1,
-                    max_nonfinite: Optional[int] = 5, stop: Optional[StopVote] = None,
-                    log_every: int = 20, desc: str = "train") -> TrainStats:
+def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, meters,
+                    epoch: int = 0, start: int = 0, accum_steps: int = 1,
+                    max_nonfinite: Optional[int] = 5, stop=None, log_every: int = 20,
+                    desc: str = "train"):
     """Run ``train_step`` on ``loader``'s batches (on the device), ``accum_steps`` at a time:
-    one optimizer step each, from the step ``meters`` says the epoch starts at (a resumed
-    epoch's rest: ``loader.start_at``). ``log_every`` and the progress bar count optimizer
-    steps. ``stop``: the ranks' vote, taken before the epoch (for a signal since the last
-    one) and after every step (no host sync); when it says so, the epoch ends there on every
-    rank (``TrainStats.stopped_at``). ``max_nonfinite=None``: no divergence check (a
-    GradScaler skips the bad steps instead). The figures returned include a resumed epoch's
-    before its stop."""
-    device, meters = info.device, meters or StepMeters(None)
-    start_step = meters.begin_epoch(epoch)
-    if hasattr(loader, "start_at"):  # a training loader (a list of batches starts at 0)
-        loader.start_at(start_step * accum_steps)
-    figures = StepFigures(meters.scaled)
-    before = meters.before(epoch)
-    synchronize(device)
-    t0 = time.perf_counter()
-    step, steps_done, stopped_at, data_seconds = start_step, 0, None, 0.0
+    one optimizer step each, from step ``start`` of the epoch on (a resumed epoch's rest).
+    ``meters`` (``ampkit.meters``) keep the figures. ``log_every`` and the progress bar
+    count optimizer steps. ``stop``: the ranks' vote (``ampkit.stop.StopVote``), taken before
+    the epoch (for a signal since the last one) and after every step (no host sync); when
+    it says so, the epoch ends there on every rank (``TrainStats.stopped_at``).
+    ``max_nonfinite=None``: no divergence check (a GradScaler skips the bad steps instead).
+    The figures returned include a resumed epoch's before its stop."""
+    figures = meters.begin_epoch(epoch, info)
+    step, stopped_at, data_seconds = start, None, 0.0
     if stop is not None and stop.before_epoch():  # a signal since the last epoch's steps
-        return _epoch_stats(figures, info, max_nonfinite, step, t0,
-                            dict(steps=0, stopped_at=step)).after(_so_far(before))
-    total = (start_step + math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__")
-             else None)
-    bar = progress_bar(total=total, initial=start_step, desc=desc, disable=not info.is_main,
+        return meters.end_epoch(figures, info, epoch=epoch, steps=0, stopped_at=start)
+    batches = loader.batches(start * accum_steps) if start else loader
+    total = math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__") else None
+    bar = progress_bar(total=total, initial=start, desc=desc, disable=not info.is_main,
                        unit="step")
     profiler = meters.profiler(epoch)
     # The bar is closed before any error message, so it is not drawn over.
     with profiler or contextlib.nullcontext(), bar:  # the bar closes first, then a report
-        for micro_batches, waited in micro_batches_by_step(loader, accum_steps):
+        for micro_batches, waited in micro_batches_by_step(batches, accum_steps):
             data_seconds += waited  # host time waiting for input
             losses, norm = train_step(micro_batches)
             figures.add(losses, norm, [y.shape[0] for _, y in micro_batches])
-            step, steps_done = step + 1, steps_done + 1
+            step += 1
             bar.update(1)
             if profiler is not None:
                 profiler.step()
@@ -222,41 +124,15 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, epoch
     # Asked during the last step? (Always called: it takes the vote still in flight.)
     if stop is not None and stop.any_rank_asked() and stopped_at is None:
         stopped_at = step
-    return _epoch_stats(figures, info, max_nonfinite, step, t0,
-                        dict(steps=steps_done, stopped_at=stopped_at,
-                             data_seconds=data_seconds)).after(_so_far(before))
+    stats = meters.end_epoch(figures, info, epoch=epoch, steps=step - start,
+                             stopped_at=stopped_at, data_seconds=data_seconds)
+    if max_nonfinite is not None and stats.worst_run >= max_nonfinite:
+        raise _diverged(stats.worst_run, step)
+    return stats
 
 
-def _so_far(before: Optional[dict]) -> Optional[TrainStats]:
-    return TrainStats(**before) if before else None
-
-
-def _epoch_stats(figures: StepFigures, info: DistInfo, max_nonfinite: Optional[int],
-                 step: int, t0: float, kw: dict) -> TrainStats:
-    """The epoch's figures over the ranks: every rank's gathered and added up on the host, in
-    rank order (the same exact sums on every rank). Steps are skipped, and gradient norms
-    taken, alike on every rank (the gradients are the reduced ones): rank 0's."""
-    with torch.profiler.record_function(HOST_READ):
-        figures.read()
-        ranks = gather_from_ranks([(figures.images, figures.finite_images, figures.loss_sum,
-                                    figures.nonfinite, figures.worst_run)], info)
-    synchronize(info.device)
-    seconds = time.perf_counter() - t0
-    images, finite_images, loss_sum = (sum(r[i] for r in ranks) for i in range(3))
-    worst = max(r[4] for r in ranks)
-    if max_nonfinite is not None and worst >= max_nonfinite:
-        raise _diverged(worst, step)
-    nan, counted = float("nan"), figures.norm_steps
-    return TrainStats(loss=loss_sum / finite_images if finite_images else nan,
-                      images=images, seconds=seconds, skipped=figures.skipped,
-                      nonfinite=max(r[3] for r in ranks),
-                      grad_norm_mean=figures.norm_sum / counted if counted else nan,
-                      grad_norm_max=figures.norm_max if counted else nan,
-                      finite_images=finite_images, norm_steps=counted, **kw)
-
-
-def _host_check(figures: StepFigures, bar: tqdm, info: DistInfo,
-                max_nonfinite: Optional[int], step: int) -> None:
+def _host_check(figures, bar: tqdm, info: DistInfo, max_nonfinite: Optional[int],
+                step: int) -> None:
     """The host sync point, every log_every steps (never every step): the steps' figures
     read, the progress bar's loss and the divergence check, which all ranks reach at the
     same step and pass or fail together."""

@@ -21,12 +21,12 @@ from torch import nn
 
 from .checkpoint import files as checkpoint_files
 from .data import build_loaders
+from .device import resolve_amp_dtype
 from .distributed import barrier, gather_from_ranks, local_main_first, this_process
 from .engine import count_correct
 from .errors import UserError
 from .flags import DATA_DIR
 from .models import DEFAULT_ARCH, autocast_replicas, build_model, check_arch_flags
-from .precision import resolve_amp_dtype
 
 
 class Evaluation:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -18,7 +19,6 @@ from typing import Optional, Sequence
 from .device import DEVICES
 from .errors import UserError
 from .models import check_arch_flags, check_dp_scope
-from .technique import DEFAULT_LR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO_ROOT / "data"
@@ -29,6 +29,7 @@ DATASETS = ("CIFAR10", "ImageFolder", "FakeData")
 AMP_DTYPES = ("float16", "bfloat16")
 LOADERS = ("auto", "fast", "classic")
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes that --compile takes
+DEFAULT_LR = 1e-4  # the article's AdamW learning rate
 
 
 class Parser(argparse.ArgumentParser):
@@ -104,12 +105,6 @@ def save_interval(text: str) -> str:
     return text.strip()
 
 
-def parse_interval(text: str) -> tuple:
-    """``"2"`` -> ``(2, None)`` epochs; ``"5m"`` -> ``(None, 300)`` seconds."""
-    unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1])
-    return (None, int(text[:-1]) * unit) if unit else (int(text), None)
-
-
 def _description(doc: Optional[str], default: str) -> str:
     """A script's --help description: the first line of its docstring."""
     return (doc or "").strip().splitlines()[0] if (doc or "").strip() else default
@@ -175,7 +170,7 @@ def train_parser(variant: str, process_group: bool = False, doc: Optional[str] =
     p.add_argument("--peak_tflops", type=float, default=None, metavar="TFLOPS",
                    help="dense peak TFLOP/s of one device in this run's precision, for the "
                         "share of it the epoch line reports. Default: by GPU name "
-                        "(ampkit/flops.py); none on the CPU")
+                        "(ampkit/device.py); none on the CPU")
     p.add_argument("--accum_steps", type=int, default=1, metavar="K",
                    help="micro-batches of --batch_size per optimizer step (gradient "
                         "accumulation): the global batch is batch_size x K x world size")
@@ -199,7 +194,14 @@ def eval_parser(variant: str, process_group: bool = False, doc: Optional[str] = 
     return p
 
 
-def _check_common(args: argparse.Namespace) -> None:
+def _check_common(args: argparse.Namespace, process_group: bool) -> None:
+    if not process_group and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun started N copies of a one-process script: each would train the same
+        # model on the same data and write the same files.
+        raise UserError(f"this script runs in one process (one device or DataParallel), but "
+                        f"torchrun started {os.environ['WORLD_SIZE']} (WORLD_SIZE): run it with "
+                        "python, or use a DDP or FSDP script (train_DDP*, train_FSDP*, "
+                        "eval_DDP) under torchrun")
     if args.batch_size is not None and args.batch_size <= 0:
         raise UserError(f"--batch_size must be a positive integer, got {args.batch_size}")
     if args.num_workers is not None and args.num_workers < 0:
@@ -214,7 +216,7 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
     argv = sys.argv[1:] if argv is None else list(argv)
     args = train_parser(variant, process_group, doc).parse_args(argv)
     given = given_flags(train_parser(variant, process_group, doc), argv)
-    _check_common(args)
+    _check_common(args, process_group)
     if args.epochs <= 0:
         raise UserError(f"--epochs must be a positive integer, got {args.epochs}")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
@@ -233,6 +235,8 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
     if args.resume and args.init_from:
         raise UserError("--resume continues a run, --init_from starts a new one from a "
                         "checkpoint's weights: give one of them")
+    # The rate a new run starts at; --lr (None: not given) is what a resumed run is asked for.
+    args.start_lr = DEFAULT_LR if args.lr is None else args.lr
     return args
 
 
@@ -240,7 +244,7 @@ def parse_eval_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Opt
                     process_group: bool = False) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = eval_parser(variant, process_group, doc).parse_args(argv)
-    _check_common(args)
+    _check_common(args, process_group)
     if "amp_dtype" in given_flags(eval_parser(variant, process_group, doc), argv) and \
             not args.autocast:
         raise UserError("--amp_dtype is the dtype of --autocast: give --autocast too (without "
@@ -282,7 +286,7 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozens
 
 
 # ---- what travels between the processes: DDP's comm hook, FSDP2's reduce dtype
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")  # ampkit/comm_hooks.py
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")  # ampkit/distributed.py's CommHook
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # train_FSDP_mixed.py
 
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ampkit.comm_hooks import HOOKS
+from ampkit.distributed import HOOKS
 from ampkit.errors import UserError
 from ampkit.flags import AMP_DTYPES, COMPILE_MODES, DATA_DIR, Parser, add_device_flags
 from ampkit.models import check_arch_flags
@@ -41,7 +41,7 @@ def build_parser() -> Parser:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="peak dense fp16/bf16 TFLOP/s of ONE device, for the utilisation of "
-                        "the autocast variants. Default: by GPU name (ampkit/flops.py)")
+                        "the autocast variants. Default: by GPU name (ampkit/device.py)")
     p.add_argument("--peak_tflops_fp32", type=float, default=None,
                    help="peak TFLOP/s of ONE device for the fp32 variants: the TF32 figure "
                         "unless --no-tf32, then the fp32 one. Default: by GPU name")

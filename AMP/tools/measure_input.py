@@ -27,7 +27,8 @@ from torchvision import transforms
 from ampkit.data.classic import train_loader
 from ampkit.data.datasets import CIFAR10, build_datasets
 from ampkit.data.on_device import fast_loaders
-from ampkit.device import DistInfo, synchronize
+from ampkit.device import synchronize
+from ampkit.distributed import DistInfo
 
 from .cifar_files import cifar_root, has_cifar10
 

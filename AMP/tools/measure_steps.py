@@ -9,21 +9,20 @@ variants run as a one-process group, or in torchrun's (``DDPGroup``).
   optimizer state creation, compilation, PowerSGD's plain all-reduce steps).
 - The timed ``steps``: CUDA events on a GPU (the host waits for the end), else perf_counter;
   no host sync while timed (the loop's host read comes after the last step).
-- Peak memory and FLOPs (:mod:`ampkit.device`, :mod:`ampkit.flops`, as in training): the peak
+- Peak memory and FLOPs (:mod:`ampkit.device`, :mod:`ampkit.models`, as in training): the peak
   reset after warm-up; ``training_flops_per_image`` x batch per step;
   utilisation = achieved FLOP/s / (peak x devices), where the peak is the precision's
   own: ``peak_tflops`` (fp16/bf16) for the autocast variants, ``peak_tflops_fp32`` for
   the fp32 ones, whose math on CUDA is labelled (``fp32_math``: TF32 or true fp32).
 - DDP's ``comm_hook`` (``--comm_hook`` of the DDP scripts): the bytes this rank sent per
-  step, counted by :class:`ampkit.comm_hooks.CommHook` over the timed steps.
+  step, counted by :class:`ampkit.distributed.CommHook` over the timed steps.
 
-Traces: ``profile`` records a few more steps (``ampkit.profiler.StepProfiler``).
+Traces: ``profile`` records a few more steps (``ampkit.meters.StepProfiler``).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -34,18 +33,19 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ampkit.comm_hooks import CommHook
-from ampkit.device import DistInfo, memory_kind, peak_memory_mb, reset_peak_memory, synchronize
-from ampkit.distributed import StopVote, elastic_store, this_process, torchrun_env
-from ampkit.engine import StepMeters, train_one_epoch
+from ampkit.device import (choose_device, memory_kind, peak_memory_mb, reset_peak_memory,
+                           resolve_amp_dtype, synchronize)
+from ampkit.distributed import CommHook, group_store, torchrun_ranks
+from ampkit.distributed import Ballots, DistInfo, this_process
+from ampkit.engine import train_one_epoch
 from ampkit.errors import UserError
-from ampkit.flops import training_flops_per_image
+from ampkit.models import training_flops_per_image
+from ampkit.meters import StepMeters
 from ampkit.models import build_model, compile_in_place
-from ampkit.profiler import StepProfiler
-from ampkit.signals import StopFlag
-from ampkit.technique import Parts
+from ampkit.meters import StepProfiler
+from ampkit.stop import StopFlag, StopVote
 
-from .variants import DISTRIBUTED, TRAIN_VARIANTS
+from .variants import DISTRIBUTED, TRAIN_VARIANTS, build_variant
 
 
 @dataclass
@@ -99,10 +99,11 @@ class DDPGroup:
         """The group: torchrun's when benchmark.py runs under it, else one of one process."""
         if self.info is None:
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                rank, world_size, device = torchrun_env("cuda" if self.cuda else "cpu")
+                rank, world_size, local_rank = torchrun_ranks()
+                device = choose_device("cuda" if self.cuda else "cpu", local_rank)
                 if self.cuda:
                     torch.accelerator.set_device_index(device.index)
-                kw = dict(rank=rank, world_size=world_size, store=elastic_store(rank, world_size))
+                kw = dict(rank=rank, world_size=world_size, store=group_store(rank, world_size))
             else:
                 device = torch.device("cuda", torch.cuda.current_device()) if self.cuda \
                     else torch.device("cpu")
@@ -175,7 +176,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     hook = CommHook(comm_hook, powersgd_rank=powersgd_rank, start_iter=2)
     t, pool, flops = _built(variant, res, device, num_classes, lr, amp_dtype, hook)
     meters = StepMeters(t.scaler)  # the skipped steps, counted as in training
-    vote = StopVote(StopFlag(), info)  # as in training: the ranks' stop vote every step
+    vote = StopVote(StopFlag(), Ballots(info))  # as in training: the ranks' vote every step
 
     def run(n: int, meters: StepMeters = meters, **kw):  # n steps, over the pool in turn
         micro = [pool[i % len(pool)] for i in range(n * accum_steps)]
@@ -223,10 +224,10 @@ def _built(variant: str, res: StepResult, device: torch.device, num_classes: int
              torch.randint(0, num_classes, (b,), generator=gen).to(device))
             for _ in range(min(4, max(res.steps * res.accum_steps, 1)))]
     flops = training_flops_per_image(model, (3, px, px)) * b
-    t = importlib.import_module(variant).build(
-        Parts(model, lr=lr, amp_dtype=amp_dtype, dp_scope=res.dp_scope or "model",
-              comm_hook=hook))
-    res.amp_dtype = str(t.amp_dtype)[6:] if t.amp_dtype is not None else ""
+    dtype = None if res.precision == "fp32" else resolve_amp_dtype(amp_dtype, device)
+    t = build_variant(variant, model, device=device, lr=lr, amp_dtype=dtype,
+                      dp_scope=res.dp_scope or "model", comm_hook=hook)
+    res.amp_dtype = str(dtype)[6:] if dtype is not None else ""
     if res.compiled:
         compile_in_place(t.model, mode=res.compiled)  # compiled during the warm-up steps
     t.model.train()

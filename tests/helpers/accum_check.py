@@ -25,10 +25,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 
-import train_DDP  # noqa: E402
-import train_FSDP  # noqa: E402
 from ampkit.models import build_model  # noqa: E402
-from ampkit.technique import Parts  # noqa: E402
+from tools.variants import build_variant  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -74,18 +72,18 @@ def counted(state, bucket):
     return default_hooks.allreduce_hook(state, bucket)
 
 
-ddp = train_DDP.build(Parts(copy.deepcopy(model), nn.CrossEntropyLoss()))
+ddp = build_variant("train_DDP", copy.deepcopy(model))
 ddp.model.register_comm_hook(None, counted)  # --comm_hook none: the script registers none
 ddp.train_step(window)
 ddp_worst = worst({name.removeprefix("module."): p.grad for name, p in ddp.model.named_parameters()})
 
 probe = Probe()
-fsdp = train_FSDP.build(Parts(copy.deepcopy(model), probe))
+fsdp = build_variant("train_FSDP", copy.deepcopy(model), probe)
 probe.model = fsdp.model
 fsdp.train_step(window)
 fsdp_worst = worst({name: p.grad.full_tensor() for name, p in fsdp.model.named_parameters()})
 
-whole = train_FSDP.build(Parts(copy.deepcopy(model), nn.CrossEntropyLoss()))
+whole = build_variant("train_FSDP", copy.deepcopy(model))
 whole.train_step([(images[mine], targets[mine])])
 whole_worst = worst({name: p.grad.full_tensor() for name, p in whole.model.named_parameters()})
 

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers.processes import AMP_DIR
 
-# The engine's name for its host reads (ampkit.engine.HOST_READ), where a sync is the point.
+# The name of the engine's host reads (ampkit.device.HOST_READ), where a sync is the point.
 HOST_READ = "ampkit: host read"
 SYNC_OPS = {"aten::_local_scalar_dense"}  # .item(), a truth value, int()/float()
 SYNC_CALLS = {"tolist", "cpu"}            # no op on a CPU tensor: seen where called

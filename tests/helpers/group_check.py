@@ -51,10 +51,10 @@ class Faults:
         self.fault, self.counts = fault, {"loss": 0, "val": 0, "save": 0}
         self.loss, self.validate, self.state = (torch.nn.CrossEntropyLoss.forward,
                                                 train_DDP.count_correct,
-                                                ampkit.checkpoint.saver.checkpoint_state)
+                                                ampkit.checkpoint.saver.Saver._checkpoint)
         torch.nn.CrossEntropyLoss.forward = self._counted("loss", self.loss)
         train_DDP.count_correct = self._counted("val", self.validate)
-        ampkit.checkpoint.saver.checkpoint_state = self._counted("save", self.state)
+        ampkit.checkpoint.saver.Saver._checkpoint = self._counted("save", self.state)
 
     def _counted(self, where, call):
         def counted(*args, **kwargs):
@@ -67,7 +67,7 @@ class Faults:
     def remove(self) -> None:
         torch.nn.CrossEntropyLoss.forward = self.loss
         train_DDP.count_correct = self.validate
-        ampkit.checkpoint.saver.checkpoint_state = self.state
+        ampkit.checkpoint.saver.Saver._checkpoint = self.state
 
 
 def _saved(ckpt: Path):

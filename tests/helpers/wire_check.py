@@ -36,9 +36,8 @@ from torch import nn  # noqa: E402
 
 import train_DDP  # noqa: E402
 import train_DDP_GradScaler  # noqa: E402
-import train_FSDP_mixed  # noqa: E402
-from ampkit.comm_hooks import CommHook  # noqa: E402
-from ampkit.technique import Parts  # noqa: E402
+from ampkit.distributed import CommHook  # noqa: E402
+from tools.variants import build_variant  # noqa: E402
 from ampkit.models import build_model  # noqa: E402
 
 dist.init_process_group("gloo")
@@ -55,8 +54,8 @@ failures = []
 
 def one_step(script, hook: CommHook):
     torch.manual_seed(5)  # the same dropout in every run, on every rank
-    t = script.build(Parts(copy.deepcopy(model), nn.CrossEntropyLoss(),
-                           amp_dtype=torch.bfloat16, comm_hook=hook))
+    t = build_variant(script.__name__, copy.deepcopy(model), amp_dtype=torch.bfloat16,
+                      comm_hook=hook)
     t.train_step(window)
     return {name: p.grad.clone() for name, p in t.model.named_parameters()}
 
@@ -81,9 +80,8 @@ for name, script, tolerance in (("bf16", train_DDP, 1.5e-2),
 
 # PowerSGD under GradScaler: 2 warm-up steps, 2 compressed, one overflow, then 4 more.
 hook = CommHook("powersgd", powersgd_rank=1, start_iter=2, seed=0)
-t = train_DDP_GradScaler.build(Parts(copy.deepcopy(model),
-                                     nn.CrossEntropyLoss(), amp_dtype=torch.bfloat16,
-                                     comm_hook=hook))
+t = build_variant("train_DDP_GradScaler", copy.deepcopy(model), amp_dtype=torch.bfloat16,
+                  comm_hook=hook)
 torch.manual_seed(5)
 skipped, losses, per_step = 0, [], []
 poisoned = [(images.clone().index_put_((torch.tensor(0),), torch.tensor(float("inf"))),
@@ -128,8 +126,8 @@ STEPS, OVERFLOW = 24, 10
 def applied_gradients(name: str, growth_interval: int) -> torch.Tensor:
     """The gradients the optimizer got, step by step (the skipped step's left out)."""
     hook = CommHook(name, powersgd_rank=1, start_iter=2, seed=0)
-    t = train_DDP_GradScaler.build(Parts(copy.deepcopy(two_buckets), lr=0.0,
-                                         amp_dtype=torch.bfloat16, comm_hook=hook))
+    t = build_variant("train_DDP_GradScaler", copy.deepcopy(two_buckets), lr=0.0,
+                      amp_dtype=torch.bfloat16, comm_hook=hook)
     t.scaler.load_state_dict(t.scaler.state_dict() | {"growth_interval": growth_interval})
     first, applied = next(t.model.parameters()), []
     for step in range(STEPS):
@@ -166,9 +164,8 @@ small = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(),
 
 
 def fsdp_step(reduce_dtype: torch.dtype) -> dict:
-    t = train_FSDP_mixed.build(Parts(copy.deepcopy(small),
-                                     nn.CrossEntropyLoss(), amp_dtype=torch.bfloat16,
-                                     reduce_dtype=reduce_dtype))
+    t = build_variant("train_FSDP_mixed", copy.deepcopy(small), amp_dtype=torch.bfloat16,
+                      reduce_dtype=reduce_dtype)
     t.train_step(window[:3])  # as many micro-batches on every rank: each forward gathers
     return {name: p.grad.full_tensor() for name, p in t.model.named_parameters()}, \
         t.scaler.get_scale() if t.scaler is not None else 1.0

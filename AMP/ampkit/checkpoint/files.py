@@ -1,4 +1,5 @@
-"""Checkpoints on disk, read: their names, finding one, loading it safely, its identity.
+"""Checkpoints on disk, read: their names and layout (the script's training state beside the
+run's record), finding one, loading it safely, its identity.
 
 - A wrapper's segment left in a key (``module.``, ``_orig_mod.``) is dropped on save and on
   load: any eval script loads any variant's checkpoint, older files included.
@@ -24,13 +25,23 @@ from ..errors import UserError, first_line
 LAST, BEST = "last.pth", "best.pth"
 
 
-# What only resuming needs: last.pth has it, best.pth (weights and metadata) does not.
-RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng", "epoch_so_far", "best_model")
+# A checkpoint is the script's training_state() -- "model" (the unwrapped weights), and
+# whatever else it returns -- beside the run's record: where the run stands and what it
+# was (RECORD), and what only a resume needs (RESUMING: every rank's random streams, a
+# stopped epoch's figures so far, the weights of a best epoch best.pth does not hold yet).
+RECORD = ("epoch", "step", "best_acc", "best_epoch", "val_acc", "arch", "num_classes",
+          "variant", "world_size", "args", "torch_version")
+RESUMING = ("rng", "epoch_so_far", "best_model")
 
 
 def weights_of(state: Dict[str, Any]) -> Dict[str, Any]:
-    """A checkpoint's weights and metadata, without what only resuming needs."""
-    return {k: x for k, x in state.items() if k not in RESUME_ONLY}
+    """A checkpoint's weights and record: best.pth's content."""
+    return {k: x for k, x in state.items() if k == "model" or k in RECORD}
+
+
+def training_state_of(state: Dict[str, Any]) -> Dict[str, Any]:
+    """A checkpoint's training_state() entries but its weights (loaded before ``build()``)."""
+    return {k: x for k, x in state.items() if k != "model" and k not in RECORD + RESUMING}
 
 
 def args_to_plain(args) -> dict:

@@ -6,9 +6,11 @@ torchrun restart, which continues from last.pth by itself), chosen by rank 0 and
 every rank; whether it fits this run (variant, data, image size and global batch, and
 mid-epoch the world size, must match: what differs is said in one line); its weights into
 the bare network and this rank's random streams back; every rank must have read the same
-bytes. ``restore``: the saved optimizer (FSDP2: sharded again), LR schedule, GradScaler and
-comm hook states into the objects the script's ``build()`` made; where the run starts, and
-the flags it changes against the checkpoint's run, said.
+bytes. ``restore``: each other entry of the script's ``training_state()`` back into the
+object of its name, by its ``load_state_dict`` (the optimizer's: FSDP2's sharded again); where
+the run starts, the flags it changes against the checkpoint's run, and an entry no object
+took, said. :class:`Resumed` then says where each epoch starts.
+Every rank makes both calls, together.
 """
 from __future__ import annotations
 
@@ -17,18 +19,17 @@ import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from ..distributed import agree_on_resumed, gather_from_ranks, load_optimizer_state
-from ..device import DistInfo
+from ..distributed import DistInfo, gather_from_ranks, load_optimizer_state
 from ..errors import UserError
+from ..flags import DEFAULT_LR
 from ..randomness import restore_random_state
-from ..technique import DEFAULT_LR
 from . import files as checkpoint_files
-from .files import plain
+from .files import plain, training_state_of
 from .writer import Link, atomic_save, link_or_write
 
 
@@ -139,7 +140,7 @@ class Resumed:
     step: int = 0
     best_acc: float = -1.0
     best_epoch: int = -1
-    states: Dict[str, Any] = field(default_factory=dict)  # optimizer, scheduler, ...
+    state: Dict[str, Any] = field(default_factory=dict)  # training_state()'s, but the weights
     trained: Dict[str, Any] = field(default_factory=dict)  # the checkpoint's run's flags
     identity: Optional[Tuple[int, str]] = None  # of the bytes loaded (checkpoint.identity)
     so_far: Optional[Dict[str, Any]] = None  # a stopped epoch's figures up to its stop
@@ -148,7 +149,7 @@ class Resumed:
 
     @property
     def loaded(self) -> Optional[Dict[str, Any]]:
-        """What every rank must have loaded alike (``distributed.agree_on_resumed``)."""
+        """What every rank must have loaded alike (:func:`_agree_on_resumed`)."""
         if self.path is None:
             return None
         return {"epoch": self.epoch, "step": self.step, "identity": self.identity}
@@ -185,9 +186,8 @@ def load_resume(path: Path, args, network: nn.Module, info: DistInfo,
         repaired = repair_best(Path(path), state)
     return Resumed(path, int(state["epoch"]), int(state.get("step", 0)),
                    float(state.get("best_acc", -1.0)), int(state.get("best_epoch", -1)),
-                   {k: state.get(k) for k in ("optimizer", "scheduler", "scaler", "comm_hook")},
-                   state.get("args") or {}, identity, state.get("epoch_so_far"), streams,
-                   repaired)
+                   training_state_of(state), state.get("args") or {}, identity,
+                   state.get("epoch_so_far"), streams, repaired)
 
 
 def repair_best(last: Path, state: Dict[str, Any]) -> str:
@@ -242,40 +242,44 @@ def resume(resume_flag: Optional[str], run_dir: Path, network: nn.Module, info: 
             resumed = load_resume(path, args, network, info, run_dir)
     except UserError as e:  # this rank's: every rank stops, in one line
         failed = str(e)
-    agree_on_resumed(failed or resumed.loaded, info)
+    _agree_on_resumed(failed or resumed.loaded, info)
     if path is None and init_from is not None:  # another run's weights
         checkpoint_files.load_weights_from(network, init_from, "--init_from")
     return resumed
 
 
-def restore(resumed: Resumed, technique, scheduler, log, *, args, comm_hook=None) -> None:
-    """After ``build()``: a resumed run's optimizer (FSDP2: sharded again), LR schedule,
-    GradScaler and (DDP's) ``comm_hook`` states loaded into the objects the script made;
-    where the run starts and the flags it changes against the checkpoint's run (``args``:
-    this run's), said by ``log``."""
-    saved_hook, changed = resumed.states.get("comm_hook"), ""
-    if resumed.states:
-        load_optimizer_state(technique.optimizer, resumed.states["optimizer"], technique.model)
-        load_states(resumed, technique, scheduler)  # the schedule's, the scaler's
-        changed = changes(resumed.trained, args, technique.optimizer)
-    if resumed.path is not None and comm_hook is not None:  # PowerSGD's step count, in words
-        changed = "\n".join(filter(None, [changed, comm_hook.load_state_dict(saved_hook)]))
-    log.print(start_message(resumed, args.variant, args.epochs, args.init_from, changed))
-
-
-def load_states(resumed: Resumed, technique, scheduler) -> None:
-    """The LR schedule's and GradScaler's saved states, into the objects the script's
-    ``build()`` made, after the optimizer's (``distributed.load_optimizer_state``, on every
-    rank); then they are let go."""
-    scheduler.load_state_dict(resumed.states["scheduler"])
-    if technique.scaler is not None and resumed.states["scaler"]:
-        technique.scaler.load_state_dict(resumed.states["scaler"])
-    resumed.states = {}
+def restore(resumed: Resumed, log, *, args, model: nn.Module, **objects) -> None:
+    """After ``build()``: each entry of the checkpoint's ``training_state()`` (but its weights,
+    loaded before) back into the object of the same name (``objects``: ``optimizer=``,
+    ``scheduler=``, ``scaler=``, ...) by its ``load_state_dict``; None on either side: left as
+    it is. The optimizer keeps how it was built (fused) and, over an FSDP2 ``model``, has
+    its full state sharded again. What a loading says (a comm hook's step count) and an entry
+    no object took are said by ``log``, with where the run starts and the flags it changes
+    against the checkpoint's run (``args``: this run's)."""
+    notes = []
+    if resumed.path is not None:
+        for name, saved in resumed.state.items():
+            target = objects.get(name)
+            if target is None or saved is None:
+                if target is None and saved is not None:
+                    notes.append(f"the checkpoint's {name!r} is not restored: restore() got "
+                                 f"no {name}= to load it into")
+                continue
+            if isinstance(target, torch.optim.Optimizer):
+                load_optimizer_state(target, saved, model)
+            else:
+                said = target.load_state_dict(saved)
+                notes.append(said if isinstance(said, str) else "")
+        if resumed.state:
+            notes.append(changes(resumed.trained, args, objects["optimizer"]))
+    resumed.state = {}  # let go
+    log.print(start_message(resumed, args.variant, args.epochs, args.init_from,
+                            "\n".join(filter(None, notes))))
 
 
 # Refused when they differ (resume_mismatches), or not flags of the run: not named again.
 NOT_COMPARED = {"dataset", "dataset_root", "img_size", "arch", "variant", "resume", "init_from",
-                "lr"}
+                "lr", "start_lr"}
 
 
 def changes(trained: Dict[str, Any], args, optimizer: torch.optim.Optimizer) -> str:
@@ -315,3 +319,30 @@ def start_message(resumed: Resumed, variant: str, epochs: int, init_from: Option
     if init_from is not None:
         return f"starting from the weights of {init_from} (epoch 1, a new optimizer)"
     return None
+
+
+def _agree_on_resumed(loaded: Union[dict, str, None], info: DistInfo) -> None:
+    """After each rank loaded the checkpoint rank 0 chose: every rank must have read the same
+    bytes at the same point (``loaded``: its ``{"epoch", "step", "identity"}``; a string: why
+    it could not load it; None on every rank: a new run). Else every rank stops with one
+    line naming the first rank that differs (a collective)."""
+    if not info.distributed:
+        if isinstance(loaded, str):
+            raise UserError(loaded)
+        return
+    seen = gather_from_ranks([(socket.gethostname(), loaded)], info)
+    host0, first = seen[0]
+    for rank, (host, theirs) in enumerate(seen):
+        if isinstance(theirs, str):
+            raise UserError(f"rank {rank} on {host}: {theirs}")
+        if theirs != first:
+            raise UserError(f"rank 0 on {host0} resumed {_where(first)}, but rank {rank} on "
+                            f"{host} {_where(theirs)}: the checkpoint changed while the ranks "
+                            "read it, or they read different files; resume again")
+
+
+def _where(loaded: Optional[dict]) -> str:
+    if loaded is None:
+        return "started a new run"
+    return (f"loaded epoch {loaded['epoch']}, step {loaded['step']} of a {loaded['identity'][0]}"
+            f"-byte file (directory hash {loaded['identity'][1][:12]})")

@@ -1,106 +1,122 @@
-"""When a run saves, and what: the :class:`Saver` a script saves through, its save policy, and
-the checkpoint's content.
+"""When a run saves, and what: the :class:`Saver` a script saves through.
 
-- ``last.pth``: the full state after an epoch, or at a stop: the script's unwrapped weights,
-  optimizer, LR schedule and GradScaler, the counters, every rank's random streams and the
-  run's flags; written as
-  ``--save_every`` says, after the last epoch, and at a stop.
-- ``best.pth``: the checkpoint of the best validation accuracy. When that epoch is one
-  last.pth is written for (every epoch by default), best.pth is a second name for that
+- ``last.pth``: the script's ``training_state()`` whole -- its unwrapped weights, and every
+  other entry it returns (optimizer, LR schedule, GradScaler, an EMA of its own) -- beside
+  the run's record (``files.RECORD``: epoch, step, best accuracy, the run's flags, ...) and
+  every rank's random streams; written as ``--save_every`` says, after the last epoch, and
+  at a stop.
+- ``best.pth``: the weights and record of the best validation accuracy. When that epoch is
+  one last.pth is written for (every epoch by default), best.pth is a second name for that
   very file (a hard link: nothing more is written, and it holds the full state); a best
-  epoch between two saves of last.pth waits in memory, weights and metadata, and is
-  written after the next one, whose last.pth carries its weights too (``best_model``).
-  There is never a best.pth without a last.pth to resume from, and last.pth always holds
-  what its record's best epoch needs: a kill between the two files, or a full disk at
-  best.pth's, is repaired by the next ``--resume`` (:func:`.resume.repair_best`).
-- Every rank makes the state (FSDP2 gathers it) and calls every method of :class:`Saver`
-  in the same order (the save's time and the random streams are agreed and gathered);
-  global rank 0 alone writes, in the background (:mod:`.writer`).
+  epoch between two saves of last.pth waits in memory, and is written after the next one,
+  whose last.pth carries its weights too (``best_model``). There is never a best.pth
+  without a last.pth to resume from, and last.pth always holds what its record's best
+  epoch needs: a kill between the two files, or a full disk at best.pth's, is repaired by
+  the next ``--resume`` (:func:`.resume.repair_best`).
+- Every rank calls every method, in the same order (``training_state()`` gathers FSDP2's
+  shards; the save's time is agreed and the random streams gathered); global rank 0 alone
+  writes, in the background (:mod:`.writer`).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from ..device import DistInfo
-from ..distributed import any_rank, rank_random_states
-from ..errors import Interrupted
-from ..flags import parse_interval
-from . import files as checkpoint_files
-from .files import args_to_plain, weights_of
-from .resume import Resumed
+from ..distributed import DistInfo, any_rank, rank_random_states
+from ..errors import Interrupted, UserError
+from .files import BEST, LAST, RECORD, RESUMING, args_to_plain, strip_prefixes, weights_of
 from .writer import BackgroundWriter, Link, Snapshot, remove_spares, remove_stale_temps
 
 
-
-def checkpoint_state(saved: Dict[str, Any], args, info: DistInfo, counters: Dict[str, Any],
-                     num_classes: int, random_states: Optional[List[dict]]) -> Dict[str, Any]:
-    """The checkpoint's content (live tensors): the script's ``saved`` (``model``: its
-    unwrapped weights, ``optimizer``, ``scheduler``, ``scaler``, DDP's ``comm_hook``),
-    ``counters`` (epoch, step, best_acc, best_epoch, val_acc; at a stop the epoch's figures
-    so far) and the run's flags (``args``, recorded); with ``random_states`` (every rank's,
-    in rank order), what only resuming needs. A wrapper's prefix still in a key (DataParallel around ``model.features``,
-    autocast's wrapper in DataParallel's replicas) is dropped."""
-    state = {"model": checkpoint_files.strip_prefixes(saved["model"]), "arch": args.arch,
-             **counters, "num_classes": num_classes, "variant": args.variant,
-             "world_size": info.world_size, "args": args_to_plain(args),
-             "torch_version": str(torch.__version__)}
-    if random_states is not None:
-        state |= {"optimizer": saved["optimizer"], "scheduler": saved["scheduler"],
-                  "scaler": saved.get("scaler"), "comm_hook": saved.get("comm_hook"),
-                  "rng": random_states}
-    return state
+def parse_interval(text: str) -> tuple:
+    """``--save_every``: ``"2"`` -> ``(2, None)`` epochs; ``"5m"`` -> ``(None, 300)`` seconds."""
+    unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1])
+    return (None, int(text[:-1]) * unit) if unit else (int(text), None)
 
 
-class SavePolicy:
-    """Decides when to write last.pth and best.pth, and hands them to the background writer."""
+def _describe(epoch: int, step: int) -> str:
+    return f"epoch {epoch}" + (f" and {step} steps of the next" if step else "")
 
-    def __init__(self, run_dir: Path, save_every: str, epochs: int, info: DistInfo,
-                 resumed: Optional[Resumed] = None) -> None:
-        """``resumed``: where a resumed run's last.pth stands."""
-        self.run_dir, self.epochs, self.info = run_dir, epochs, info
+
+class Saver:
+    """A run's saves, as the script makes them (a ``with``): :meth:`save` after each epoch
+    (last.pth as ``--save_every`` says, best.pth at a new best), :meth:`save_stop` at a stop;
+    after a second Ctrl-C, what was saved, in one line. ``resumed``: where a resumed run's
+    last.pth stands (``resume.Resumed``); ``args``: the run's flags, recorded."""
+
+    def __init__(self, run_dir: Path, info: DistInfo, resumed, *, save_every: str,
+                 epochs: int, num_classes: int, args) -> None:
+        self.run_dir, self.info, self.resumed, self.epochs = Path(run_dir), info, resumed, epochs
+        self.num_classes, self.args = num_classes, args
         self.every_epochs, self.every_seconds = parse_interval(save_every)
-        landed = (_describe(resumed.epoch, resumed.step)
-                  if resumed is not None and resumed.path is not None else "")
-        self.writer = BackgroundWriter(landed)
+        self.writer = BackgroundWriter(_describe(resumed.epoch, resumed.step)
+                                       if resumed.path is not None else "")
         self.writing = ""  # what the last save submitted holds
         self.snapshots = {"last": Snapshot(), "best": Snapshot()}
-        self.pending_best: Optional[Dict[str, Any]] = None
+        self.pending_best: Optional[Dict[str, Any]] = None  # a best epoch not yet written
         self.last_save = time.perf_counter()
         self.last_saved: Optional[tuple] = None  # (epoch, step) of the last last.pth submitted
+        self.best_acc, self.best_epoch = resumed.best_acc, resumed.best_epoch
+        self.val_acc: Optional[float] = None  # the last epoch's
+        self.timing: dict = {}  # the last save's, for its epoch's row
+        self.stopped_at: Optional[tuple] = None  # (epochs done, step) where a stop saved
 
-    def due(self, epoch: int, now: bool, time_up: bool = False) -> bool:
-        """Whether last.pth is written after ``epoch`` epochs (the same answer on every rank,
-        given the same ``time_up``)."""
-        return bool(now or epoch == self.epochs
-                    or (self.every_epochs and epoch % self.every_epochs == 0)
-                    or (self.every_seconds and time_up))
+    def __enter__(self) -> "Saver":
+        return self
 
-    def time_up_here(self) -> bool:
-        """Whether --save_every's time has come on this rank's clock (the ranks' clocks
-        differ: the caller asks whether it has on any rank's)."""
-        return bool(self.every_seconds) and (
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is KeyboardInterrupt:  # a second Ctrl-C: say what was saved; go
+            raise Interrupted(*self._abandon()) from None
+
+    def save(self, training_state: Callable[[], dict], epochs_done: int, val_acc: float) -> None:
+        """After ``epochs_done`` epochs: last.pth as ``--save_every`` says (its time: on any
+        rank's clock), best.pth at a new best."""
+        self.val_acc = val_acc
+        if val_acc > self.best_acc:
+            self.best_acc, self.best_epoch = val_acc, epochs_done
+        time_up = bool(self.every_seconds) and (
             time.perf_counter() - self.last_save >= self.every_seconds)
+        due = bool(epochs_done == self.epochs
+                   or (self.every_epochs and epochs_done % self.every_epochs == 0)
+                   or any_rank(time_up, self.info))  # --save_every 30m: on any rank's clock
+        self.timing = self._save(training_state, epochs_done, 0, val_acc, None, due=due,
+                                 is_best=self.best_epoch == epochs_done)
 
-    def save(self, make_state, epoch: int, is_best: bool, now: bool = False,
-             step: int = 0, time_up: bool = False) -> Dict[str, float]:
-        """Save after ``epoch`` epochs (and ``step`` steps of the next, at a stop):
-        ``make_state(resume)`` makes the content (every rank calls it). ``now``: a stop,
-        which also waits for the write. ``time_up``: --save_every's time has come on some
-        rank. Returns the save's timing for the epoch's log row (rank 0)."""
-        due = self.due(epoch, now, time_up)
+    def save_stop(self, training_state: Callable[[], dict], epoch: int, stats) -> None:
+        """A stop's last.pth, written before the run goes on to its end, at the point the
+        epoch ``epoch`` stopped (``stats.stopped_at``, its steps: saved with its figures so
+        far; 0, before it began: after ``epoch`` epochs), unless last.pth holds it already."""
+        step = stats.stopped_at
+        self.stopped_at, self.timing = (epoch, step), {}
+        if self.last_saved == (epoch, step):
+            self.writer.wait()  # the save just made is the stop's
+            return
+        val_acc, so_far = (None, stats) if step else (self.val_acc, None)
+        self._save(training_state, epoch, step, val_acc, so_far, due=True, is_best=False,
+                   wait=True)
+
+    def finish(self) -> None:
+        """After the last epoch: the last save written; rank 0: no spare file left."""
+        self.writer.wait()
+        if self.info.is_main:
+            remove_spares(self.run_dir)
+
+    def _save(self, training_state: Callable[[], dict], epoch: int, step: int,
+              val_acc: Optional[float], so_far, *, due: bool, is_best: bool,
+              wait: bool = False) -> Dict[str, float]:
+        """last.pth if ``due``, best.pth if ``is_best`` (``wait``: until written); the
+        timing of it for the epoch's log row (rank 0)."""
         if not (is_best or due):
             return {}
         # The snapshot buffers are the ones the previous save is written from: wait for it.
         timing = {"save_wait_s": self.writer.wait(),  # 0: the previous save overlapped training
                   "save_write_s": self.writer.write_seconds}  # how long that write took
         t0 = time.perf_counter()
-        state = make_state(resume=due)  # every rank: FSDP2 gathers its shards here
+        state = self._checkpoint(training_state(), epoch, step, val_acc, so_far, resume=due)
         if due:
             self.last_save, self.last_saved = time.perf_counter(), (epoch, step)
         if not self.info.is_main:
@@ -108,7 +124,7 @@ class SavePolicy:
         if is_best and not due:  # kept in memory until the next save of last.pth
             self.pending_best = self.snapshots["best"].take(weights_of(state))
         if due:  # last.pth first: a best.pth never stands without a last.pth to resume from
-            last, best = self.run_dir / checkpoint_files.LAST, self.run_dir / checkpoint_files.BEST
+            last, best = self.run_dir / LAST, self.run_dir / BEST
             files = [(self.snapshots["last"].take(state), last)]
             if is_best:  # best.pth: a second name for this very file, nothing more written
                 files.append(Link(last, best, fallback=weights_of(files[0][0])))
@@ -120,100 +136,43 @@ class SavePolicy:
             self.pending_best = None
             self.writer.submit(files, _describe(epoch, step))
             self.writing = _describe(epoch, step)
-            if now:
+            if wait:
                 self.writer.wait()
         timing["save_snapshot_s"] = time.perf_counter() - t0
         return timing
 
-    def wait(self) -> None:
-        """Until the save in flight, if any, is written."""
-        self.writer.wait()
+    def _checkpoint(self, state: dict, epoch: int, step: int, val_acc: Optional[float],
+                    so_far, resume: bool) -> dict:
+        """``state`` (``training_state()``'s, every rank's) beside the run's record; with
+        ``resume`` every rank's random streams too (a collective). A wrapper's prefix still
+        in a weight's key (DataParallel around ``model.features``) is dropped."""
+        clash = sorted(set(state) & set(RECORD + RESUMING))
+        if clash or "model" not in state:
+            raise UserError(f"training_state() must return the weights as 'model' and no "
+                            f"entry the run's record keeps ({', '.join(RECORD + RESUMING)})"
+                            + (f": it returns {', '.join(clash)}" if clash else ""))
+        record = {"epoch": epoch, "step": step, "best_acc": self.best_acc,
+                  "best_epoch": self.best_epoch, "val_acc": val_acc, "arch": self.args.arch,
+                  "num_classes": self.num_classes, "variant": self.args.variant,
+                  "world_size": self.info.world_size, "args": args_to_plain(self.args),
+                  "torch_version": str(torch.__version__)}
+        if so_far is not None:
+            record["epoch_so_far"] = dataclasses.asdict(so_far)
+        if resume:
+            record["rng"] = rank_random_states(self.info)
+        return state | {"model": strip_prefixes(state["model"])} | record
 
-    def finish(self) -> None:
-        """Wait for the last save; remove the spare files (rank 0)."""
-        self.writer.wait()
-        if self.info.is_main:
-            remove_spares(self.run_dir)
-
-    def abandon(self) -> tuple:
+    def _abandon(self) -> tuple:
         """A second Ctrl-C: (what was and was not saved, in words; whether a write was cut
         short). A write in flight cannot be stopped, and Python must not finalize while
         torch.save runs in its thread (the C++ runtime aborts): its temporary and spare
         files are removed now, and the caller ends the process at once."""
         if not self.info.is_main:
             return "", False
-        path, holds = self.run_dir / checkpoint_files.LAST, self.writer.landed
+        path, holds = self.run_dir / LAST, self.writer.landed
         if self.writer.busy:
             remove_stale_temps(self.run_dir)
             return ((f"{path} still holds {holds}" if holds else f"no {path} was written")
                     + f"; the save of {self.writing} was cut short and not kept", True)
         return (f"{path} holds {holds}; nothing after it was saved" if holds
                 else "nothing was saved"), False
-
-
-def _describe(epoch: int, step: int) -> str:
-    return f"epoch {epoch}" + (f" and {step} steps of the next" if step else "")
-
-
-class Saver:
-    """A run's saves, as the script makes them (a ``with``): :meth:`save` after each epoch
-    (last.pth as ``--save_every`` says, best.pth at a new best), :meth:`save_stop` at a stop;
-    after a second Ctrl-C, what was saved, in one line. ``training_state()`` is the script's:
-    what a checkpoint holds of its objects. ``args``: the run's flags, recorded in each
-    checkpoint."""
-
-    def __init__(self, run_dir: Path, info: DistInfo, resumed: Resumed, *, save_every: str,
-                 epochs: int, num_classes: int, args) -> None:
-        self.info, self.resumed, self.num_classes, self.args = info, resumed, num_classes, args
-        self.epochs = epochs
-        self.policy = SavePolicy(run_dir, save_every, epochs, info, resumed)
-        self.best_acc, self.best_epoch = resumed.best_acc, resumed.best_epoch
-        self.val_acc: Optional[float] = None  # the last epoch's
-        self.timing: dict = {}  # the last save's, for its epoch's row
-        self.stopped_at: Optional[tuple] = None  # (epochs done, step) where a stop saved
-
-    def __enter__(self) -> "Saver":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is KeyboardInterrupt:  # a second Ctrl-C: say what was saved; go
-            raise Interrupted(*self.policy.abandon()) from None
-
-    def save(self, training_state: Callable[[], dict], epochs_done: int, val_acc: float) -> None:
-        """After ``epochs_done`` epochs: last.pth as ``--save_every`` says (its time: on any
-        rank's clock), best.pth at a new best."""
-        self.val_acc = val_acc
-        if val_acc > self.best_acc:
-            self.best_acc, self.best_epoch = val_acc, epochs_done
-        time_up = any_rank(self.policy.time_up_here(), self.info)  # --save_every 30m, say
-        self.timing = self.policy.save(
-            partial(self._state, training_state, epochs_done, 0, val_acc, None), epochs_done,
-            time_up=time_up, is_best=self.best_epoch == epochs_done)
-
-    def save_stop(self, training_state: Callable[[], dict], epoch: int, stats) -> None:
-        """A stop's last.pth, written before the run goes on to its end, at the point the
-        epoch ``epoch`` stopped (``stats.stopped_at``, its steps: saved with its figures so
-        far; 0, before it began: after ``epoch`` epochs), unless last.pth holds it already."""
-        step = stats.stopped_at
-        self.stopped_at, self.timing = (epoch, step), {}
-        if self.policy.last_saved == (epoch, step):
-            self.policy.wait()  # the save just made is the stop's
-            return
-        val_acc, so_far = (None, stats) if step else (self.val_acc, None)
-        self.policy.save(partial(self._state, training_state, epoch, step, val_acc, so_far),
-                         epoch, is_best=False, now=True, step=step)
-
-    def finish(self) -> None:
-        """After the last epoch: the last save written (rank 0: the spares removed)."""
-        self.policy.finish()
-
-    def _state(self, training_state: Callable[[], dict], epoch: int, step: int,
-               val_acc: Optional[float], so_far, resume: bool) -> dict:
-        counters = {"epoch": epoch, "step": step, "best_acc": self.best_acc,
-                    "best_epoch": self.best_epoch, "val_acc": val_acc}
-        if so_far is not None:
-            counters["epoch_so_far"] = dataclasses.asdict(so_far)
-        saved = training_state()  # every rank (FSDP2 gathers), then every rank's streams:
-        streams = rank_random_states(self.info) if resume else None  # both collectives
-        return checkpoint_state(saved, self.args, self.info, counters, self.num_classes,
-                                streams)

@@ -1,7 +1,110 @@
-"""A run's data: the data sets (:mod:`.datasets`: CIFAR-10, ImageFolder, FakeData), the order
-they are read in (:mod:`.samplers`), the two input paths -- the whole data set on the
-device (:mod:`.on_device`) or torchvision's DataLoader (:mod:`.classic`) -- and the loaders
-a script takes (:mod:`.loaders`)."""
-from .loaders import Loaders, build_loaders, report_unreadable
+"""A run's data: the data sets and the order they are read in (:mod:`.datasets`: CIFAR-10,
+ImageFolder, FakeData), the two input paths -- the whole data set on the device
+(:mod:`.on_device`) or torchvision's DataLoader (:mod:`.classic`) -- and the loaders a
+script takes from them.
 
-__all__ = ["Loaders", "build_loaders", "report_unreadable"]
+``build_loaders`` picks the path (``--loader auto``: fast for the data sets held whole on the
+device, CIFAR10 and FakeData; classic for ImageFolder). ``Loaders.train_loader(sampler)``
+yields the training batches in a sampler's order (a script's ``DistributedSampler``, or one
+process's); both paths' batches arrive on the device, and a resumed epoch starts at a batch
+of its own (``loader.batches(start)``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional, Sized, Tuple
+
+import torch
+from torch.utils.data import Sampler
+
+from ..distributed import DistInfo
+from ..errors import UserError
+from .classic import CheckedLoader, default_workers, eval_loader, train_loader
+from .datasets import NUM_CLASSES, Unreadable, build_datasets, one_process_sampler
+from .on_device import fast_loaders
+
+
+@dataclass
+class Loaders:
+    """A run's data: its validation loader, what its training sampler draws from
+    (``train_set``), and the training loader made for that sampler."""
+    name: str                   # --dataset
+    batch_size: int             # per process
+    train_set: Optional[Sized]  # what the training sampler draws from; None for eval
+    val: Iterable
+    num_classes: int
+    train_size: int
+    val_size: int
+    kind: str                   # "fast" or "classic"
+    make_train: Optional[Callable[[Sampler[int]], Iterable]] = None
+    image_shape: Tuple[int, ...] = ()  # (3, --img_size, --img_size)
+    train: Optional[Iterable] = field(default=None, init=False)
+
+    def train_loader(self, sampler: Sampler[int]) -> Iterable:
+        """The training batches, in ``sampler``'s order, on the device."""
+        self.train = self.make_train(sampler)
+        return self.train
+
+    def take_unreadable(self) -> List[Unreadable]:
+        """The images the loaders left out since the last call (--skip_bad_images)."""
+        taken = []
+        for loader in (self.train, self.val):
+            if isinstance(loader, CheckedLoader):
+                taken, loader.unreadable = taken + loader.unreadable, []
+        return taken
+
+
+def loader_kind(dataset: str, loader: str) -> str:
+    """The input path ``--loader`` takes for ``dataset``: ``auto`` is the fast one for the data
+    sets held whole on the device (CIFAR10, FakeData), the classic one for ImageFolder."""
+    return ("fast" if dataset in NUM_CLASSES else "classic") if loader == "auto" else loader
+
+
+def check_loader_flags(kind: str, *, num_workers: Optional[int], skip_bad: bool) -> None:
+    """``--num_workers`` and ``--skip_bad_images`` are the classic path's: with the fast one,
+    which has no workers and reads no image files, each is one line."""
+    if kind == "fast" and (num_workers is not None or skip_bad):
+        flag = "--num_workers" if num_workers is not None else "--skip_bad_images"
+        raise UserError(f"{flag} is for the classic DataLoader input path; this run takes the "
+                        "fast one (--loader fast, the default for CIFAR10 and FakeData), which "
+                        "has no worker processes and reads no image files: leave it out, or "
+                        "give --loader classic")
+
+
+def build_loaders(name: str, root: Path, img_size: int, batch_size: int, info: DistInfo, *,
+                  loader: str = "auto", num_workers: Optional[int] = None,
+                  channels_last: bool = False, train: bool = True,
+                  skip_bad: bool = False) -> Loaders:
+    """The validation loader and (unless ``train=False``) the training set, fast or classic;
+    CIFAR-10 downloaded by local rank 0 (the caller runs it first: ``local_main_first``)."""
+    kind = loader_kind(name, loader)
+    check_loader_flags(kind, num_workers=num_workers, skip_bad=skip_bad)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    if kind == "fast":
+        train_set, val_dl, num_classes = fast_loaders(name, root, img_size, batch_size, info,
+                                                      channels_last=channels_last, train=train)
+        make_train = train_set.loader if train else None
+        val_size = val_dl.dataset_size
+    else:
+        data = build_datasets(name, root, img_size, download=info.is_local_main, train=train)
+        workers = default_workers(num_workers, info.device)
+        train_set, num_classes, val_size = data.train, data.num_classes, len(data.val)
+        val_dl = eval_loader(data.val, info, batch_size=batch_size, num_workers=workers,
+                             memory_format=memory_format, img_size=img_size, skip_bad=skip_bad)
+
+        def make_train(sampler):
+            return train_loader(train_set, sampler, batch_size=batch_size, num_workers=workers,
+                                device=info.device, memory_format=memory_format,
+                                img_size=img_size, skip_bad=skip_bad)
+    train_size = len(train_set) if train else 0
+    if (train and train_size == 0) or val_size == 0:
+        raise UserError(f"{root}: the data set has no images"
+                        + ("" if val_size else " in its validation/test split"))
+    if train and num_classes < 2:
+        raise UserError(f"{root}: {num_classes} class: a classifier needs at least 2 classes "
+                        "(one folder per class under train/ and val/)")
+    return Loaders(name, batch_size, train_set, val_dl, num_classes, train_size, val_size, kind,
+                   make_train if train else None, (3, img_size, img_size))
+
+
+__all__ = ["Loaders", "build_loaders", "check_loader_flags", "loader_kind", "one_process_sampler"]

@@ -1,5 +1,6 @@
 """The classic input path: torchvision's DataLoader with PIL transforms, workers (which
-ignore the stop signals) and pinned memory, for any data set; ImageFolder takes it.
+ignore a scheduler's stop signals: only the main process decides a stop, ``ampkit.stop``)
+and pinned memory, for any data set; ImageFolder takes it.
 
 An unreadable image is a one-line error naming it; with ``--skip_bad_images`` validation
 leaves it out and lists it, and in training the next readable image takes its place
@@ -7,16 +8,55 @@ leaves it out and lists it, and in training the next readable image takes its pl
 """
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+import signal
+import threading
 from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from ..device import DistInfo, pinned
+from ..device import pinned
+from ..distributed import DistInfo
 from ..errors import UserError
-from ..signals import held_stop_signals, ignore_stop_signals
+from ..stop import SIGNALS
 from .datasets import BadImage, Unreadable
-from .samplers import IndexSampler, ResumableSampler, one_process_sampler
+from .datasets import IndexSampler, ResumableSampler, one_process_sampler
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A DataLoader's ``worker_init_fn``: the worker ignores the stop signals from anyone but
+    its main process (torch's worker dies of a SIGTERM, and its death would raise in the main
+    process mid-step or mid-save). A SIGTERM from the main process still ends it: that is
+    how ``multiprocessing`` stops daemonic workers as their process exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # SIGTERM stays held back in every thread (held_stop_signals; threads started later
+    # inherit it), and one thread takes each one, with its sender.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_exit_on_sigterm_from, args=(os.getppid(),), daemon=True,
+                     name="stop-signal-filter").start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1})
+
+
+def _exit_on_sigterm_from(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            os._exit(0)  # as torch's own worker handler does for its parent's SIGTERM
+
+
+@contextlib.contextmanager
+def held_stop_signals() -> Iterator[None]:
+    """The stop signals held back in this thread while it starts DataLoader workers: a
+    forked worker inherits the mask, so none can die of one before
+    :func:`ignore_stop_signals` runs in it; this process gets its own afterwards."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def collate_readable(batch: list) -> Tuple[Optional[object], Optional[object], List[Unreadable]]:
@@ -77,14 +117,18 @@ class CheckedLoader:
     def sampler(self) -> Sampler:
         return self.loader.sampler
 
-    def start_at(self, batch: int) -> None:
-        """The epoch's batches from ``batch`` on (a resumed epoch's rest); 0: all of them."""
-        self.sampler.start_index = batch * self.loader.batch_size
-
     def __len__(self) -> int:
-        return len(self.loader)
+        """The batches of this rank's whole epoch."""
+        n = getattr(self.sampler, "num_samples", len(self.sampler))  # a training sampler's
+        return math.ceil(n / self.loader.batch_size)
 
     def __iter__(self) -> Iterator:
+        return self.batches(0)
+
+    def batches(self, start: int) -> Iterator:
+        """The epoch's batches from batch ``start`` on (a resumed epoch's rest; 0: all)."""
+        if isinstance(self.sampler, ResumableSampler):
+            self.sampler.start_index = start * self.loader.batch_size
         with held_stop_signals():  # the workers start here, the first time
             batches = iter(self.loader)
         for images, targets, bad in batches:
@@ -104,7 +148,7 @@ def _loader(dataset: Dataset, sampler: Sampler, *, batch_size: int, num_workers:
             device: torch.device, memory_format: torch.memory_format, img_size: int,
             skip_bad: bool, collate=collate_readable) -> CheckedLoader:
     # The workers ignore the stop signals: only the main process decides to stop
-    # (ampkit/signals.py). The loader's own generator draws the workers' seeds, not the
+    # (ampkit/stop.py). The loader's own generator draws the workers' seeds, not the
     # random stream that dropout draws from (a resumed run goes on with that stream).
     return CheckedLoader(DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,

@@ -25,11 +25,12 @@ import torch.nn.functional as F
 import torchvision
 from torch.utils.data import Sampler, TensorDataset
 
-from ..device import DistInfo, pinned
+from ..device import pinned
+from ..distributed import DistInfo
 from ..errors import UserError
 from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD, check_cifar_root,
                        cifar10)
-from .samplers import IndexSampler, ResumableSampler, one_process_sampler
+from .datasets import IndexSampler, ResumableSampler, one_process_sampler
 
 
 def _fake_uint8(train: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -105,21 +106,18 @@ class DeviceLoader:
         # rounds to uint8 like PIL; CUDA's antialiased kernel takes floating types only.
         self.resize_uint8 = self.device.type == "cpu"
 
-    def start_at(self, batch: int) -> None:
-        """The epoch's batches from ``batch`` on (a resumed epoch's rest); 0: all of them."""
-        self.sampler.start_index = batch * self.batch_size
-
     def __len__(self) -> int:
-        """Batches this rank yields in the current epoch (after ``start_at``)."""
-        return math.ceil(len(self.sampler) / self.batch_size)
+        """The batches of this rank's whole epoch."""
+        n = self.sampler.num_samples if self.train else len(self.sampler)
+        return math.ceil(n / self.batch_size)
 
-    def _epoch_indices(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        # The training sampler's flips, from (seed, epoch, rank) on the host and cut where
-        # the epoch starts: the classic path's, on any device, and in a resumed epoch exactly
-        # those of the interrupted one.
-        host = [torch.tensor(list(self.sampler), dtype=torch.int64)]
+    def _epoch_indices(self, first: int = 0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # The epoch's order from sample ``first`` on, and the training sampler's flips, from
+        # (seed, epoch, rank) on the host and cut there: the classic path's, on any device,
+        # and in a resumed epoch exactly those of the interrupted one.
+        host = [torch.tensor(list(self.sampler)[first:], dtype=torch.int64)]
         if self.train:  # [N, 1, 1, 1]: a batch's slice selects whole images
-            host.append(self.sampler.flips().view(-1, 1, 1, 1))
+            host.append(self.sampler.flips(first).view(-1, 1, 1, 1))
         if pinned(self.device):
             # Pinned, so the copy is asynchronous: not even the epoch start waits for the GPU.
             host = [t.pin_memory() for t in host]
@@ -153,13 +151,16 @@ class DeviceLoader:
         return batch_u8.to(torch.float32, memory_format=fmt).mul_(self._scale).add_(self._bias)
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        indices, flips = self._epoch_indices()
+        return self.batches(0)
+
+    def batches(self, start: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """The epoch's batches from batch ``start`` on (a resumed epoch's rest; 0: all)."""
+        indices, flips = self._epoch_indices(start * self.batch_size)
         # The epoch cut into its batches at once: one op an epoch, not two slices a batch.
         batches = indices.split(self.batch_size)
         flipped = flips.split(self.batch_size) if flips is not None else [None] * len(batches)
-        for idx, flip in zip(batches, flipped):
-            yield (self.transform(self.images.index_select(0, idx), flip),
-                   self.labels.index_select(0, idx))
+        return ((self.transform(self.images.index_select(0, idx), flip),
+                 self.labels.index_select(0, idx)) for idx, flip in zip(batches, flipped))
 
 
 class DeviceSplit(TensorDataset):

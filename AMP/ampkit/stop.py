@@ -1,4 +1,7 @@
-"""Stop signals: SIGTERM, SIGUSR1 and Ctrl-C end a run at its next safe point, saved.
+"""The stop: SIGTERM, SIGUSR1 and Ctrl-C end a run at its next safe point, saved -- the signal
+(:class:`StopSignals`, :class:`StopFlag`), the ranks' vote (:class:`StopVote`), and where the
+run says it stopped and how it exits (:func:`stopped_line`, :func:`exit_status`); the save is
+the saver's (``Saver.save_stop``).
 
 The rule, wherever a signal lands within the script's ``stop_vote`` (from before the
 restore to the run's last line: in a step, in an epoch's last and short step, in
@@ -6,10 +9,10 @@ validation, in a save, in the last epoch):
 
 1. Only a run's main process decides. Its handlers just set its :class:`StopFlag`; the
    DataLoader workers ignore all three signals from anyone else
-   (:func:`ignore_stop_signals`), so a signal to the whole process group -- a terminal's
-   Ctrl-C, SLURM, ``kill -- -PGID`` -- ends the run like one to the main process, never
-   with a dead worker's traceback.
-2. The ranks agree on a stop by a vote (``ampkit.distributed.StopVote``) after every
+   (``data.classic.ignore_stop_signals``), so a signal to the whole process group -- a
+   terminal's Ctrl-C, SLURM, ``kill -- -PGID`` -- ends the run like one to the main
+   process, never with a dead worker's traceback.
+2. The ranks agree on a stop by a vote (:class:`StopVote`) after every
    optimizer step, read one step later (in one process: at once); before every epoch but
    the run's first, for a signal during the previous epoch's validation, save or log; and
    at the run's end. They stop at the first vote that finds a signal, all at the same step.
@@ -22,16 +25,14 @@ validation, in a save, in the last epoch):
 
 A second Ctrl-C to a process that already got a signal stops it at once
 (:class:`KeyboardInterrupt`). Before the ``with`` (set-up) and after it (teardown) the
-previous handlers apply; a rank of several ignores the signals as it exits.
-"""
+previous handlers apply; a rank of several ignores the signals as it exits."""
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import threading
 from pathlib import Path
 from typing import Callable, Dict, Iterator
+
 
 # What a scheduler sends to stop a job: SIGTERM (preemption, time limit, torchrun), SIGUSR1
 # (SLURM's warning, #SBATCH --signal=USR1@90), SIGINT (Ctrl-C).
@@ -110,34 +111,69 @@ class StopSignals:
         self._previous.clear()
 
 
-def ignore_stop_signals(worker_id: int = 0) -> None:
-    """A DataLoader's ``worker_init_fn``: the worker ignores the stop signals from anyone but
-    its main process (torch's worker dies of a SIGTERM, and its death would raise in the main
-    process mid-step or mid-save). A SIGTERM from the main process still ends it: that is
-    how ``multiprocessing`` stops daemonic workers as their process exits."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    # SIGTERM stays held back in every thread (held_stop_signals; threads started later
-    # inherit it), and one thread takes each one, with its sender.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    threading.Thread(target=_exit_on_sigterm_from, args=(os.getppid(),), daemon=True,
-                     name="stop-signal-filter").start()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1})
-
-
-def _exit_on_sigterm_from(parent: int) -> None:
-    while True:
-        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
-            os._exit(0)  # as torch's own worker handler does for its parent's SIGTERM
-
-
 @contextlib.contextmanager
-def held_stop_signals() -> Iterator[None]:
-    """The stop signals held back in this thread while it starts DataLoader workers: a
-    forked worker inherits the mask, so none can die of one before
-    :func:`ignore_stop_signals` runs in it; this process gets its own afterwards."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+def voting(ballots, say: Callable[[str], None], exiting: bool) -> Iterator["StopVote"]:
+    """Within it SIGTERM, SIGINT and SIGUSR1 ask for a stop, which the ranks' vote over
+    ``ballots`` (``distributed.Ballots``) makes at the same step on every rank (the
+    rule: this module's docstring); the handlers go with it (``exiting``: see
+    :class:`StopSignals`)."""
+    flag = StopFlag()
+    with StopSignals(flag, say, exiting=exiting):
+        yield StopVote(flag, ballots)
+
+
+class StopVote:
+    """Whether to stop: the same answer on every rank, at the same step, and no wait for
+    the device.
+
+    A signal reaches each process at its own moment, or only some of them (one node's
+    scheduler, Ctrl-C in one terminal); a rank that stopped alone would leave its peers
+    waiting in their next collective. So after every optimizer step each rank casts its
+    :class:`StopFlag`'s signal (0: none) into a vote that travels in the background, and
+    reads the previous step's, which has long arrived: a stop asked for during step k ends
+    step k + 1 on every rank. The first vote that finds a signal decides the stop (the
+    highest signal number, if ranks got different ones), the same on every rank, and so the
+    exit status (``StopFlag.agreed``). In one process: the flag itself, after the current
+    step."""
+
+    def __init__(self, flag: StopFlag, ballots) -> None:
+        self.flag, self.ballots = flag, ballots
+        self._epochs_begun = 0
+
+    def _read_vote(self) -> bool:
+        """The pending vote (False if none); a stop another rank asked for becomes this
+        rank's too."""
+        signum = self.ballots.read()
+        if signum:
+            self.flag.agree(signal.Signals(signum).name)
+        return bool(signum)
+
+    def _alone(self) -> bool:
+        if self.flag.requested:
+            self.flag.agree(self.flag.signal_name)
+        return self.flag.requested
+
+    def after_step(self) -> bool:
+        """After each optimizer step, with no wait: True when every rank stops now (on the
+        vote cast after the step before)."""
+        if self.ballots.group is None:
+            return self._alone()
+        stop = self._read_vote()
+        self.ballots.cast(self.flag.signum)
+        return stop
+
+    def before_epoch(self) -> bool:
+        """Before an epoch (blocking): whether any rank asked to stop since the previous
+        epoch's last step, during its validation, save or log. The run's first epoch takes
+        no such vote (a signal during the set-up stops the run after its first step)."""
+        first, self._epochs_begun = not self._epochs_begun, self._epochs_begun + 1
+        return False if first else self.any_rank_asked()
+
+    def any_rank_asked(self) -> bool:
+        """At an epoch's end and at the run's (blocking): whether any rank asked to stop by
+        now; also takes the pending vote, so none is left in flight."""
+        if self.ballots.group is None:
+            return self._alone()
+        stop = self._read_vote()
+        self.ballots.cast(self.flag.signum)
+        return self._read_vote() or stop
