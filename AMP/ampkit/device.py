@@ -314,7 +314,7 @@ def run_peak(given: Optional[float], device: torch.device, amp_dtype: Optional[t
     name = torch.cuda.get_device_name(device)
     peak = peak_tflops(name, "half" if amp_dtype is not None else fp32_peak_math(fp32_math))
     note = "" if peak is not None else (f"no peak TFLOP/s known for {name} (ampkit/"
-                                        "flops.py): the epoch lines give TFLOP/s without a "
+                                        "device.py): the epoch lines give TFLOP/s without a "
                                         "share of the peak; --peak_tflops gives one")
     return peak, note
 

@@ -163,7 +163,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     ``channels_last``, ``compile``, ``dp_scope`` and ``accum_steps`` are the training flags
     of those names; ``keep_sync``: DDP all-reduces every micro-batch (no ``no_sync``: what it
     saves); ``comm_hook``: a DDP variant's --comm_hook (PowerSGD compresses from the third
-    step: warm-up 2 or more times it); ``fp32_math`` labels the fp32 variants on CUDA (``precision.set_tf32``'s);
+    step: warm-up 2 or more times it); ``fp32_math`` labels the fp32 variants on CUDA (``device.set_tf32``'s);
     ``profile``: after the timing, a few more steps traced (:class:`StepProfiler`); ``busy``
     (CUDA): 10 more, and their share of time in kernels (:func:`gpu_busy_share`)."""
     info, res = _result(variant, device, ddp, arch=arch, batch_size=batch_size,
