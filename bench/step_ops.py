@@ -1,7 +1,7 @@
 """What a training step costs the host: ops dispatched per optimizer step by each train
 script, against a hand-written floor of its technique, and the host time of a step.
 
-    python bench/step_ops.py                                 # the 13 scripts (8-10 min here)
+    python bench/step_ops.py                                 # the 13 scripts (~17 min on 2 cores)
     python bench/step_ops.py --scripts train_autocast,train_GradScaler --rounds 5
 
 On a GPU every op a step dispatches is a kernel launch and some microseconds of host time
