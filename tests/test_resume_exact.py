@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -39,10 +40,12 @@ def _sigterm_at_loss(n: int) -> Iterator[None]:
         torch.nn.CrossEntropyLoss.forward = original
 
 
-def _run(root: Path, ckpt: Path, *extra: str, stop_at_loss: int = 0) -> tuple:
+def _run(root: Path, ckpt: Path, *extra: str, stop_at_loss: int = 0,
+         dataset: str = "ImageFolder", batch_size: int = 4) -> tuple:
     with _sigterm_at_loss(stop_at_loss):
-        return run_main("train_without", *quick_flags(root, ckpt, *extra, img_size=32,
-                                                      arch=FSDP_ARCH, batch_size=4, epochs=2,
+        return run_main("train_without", *quick_flags(root, ckpt, *extra, dataset=dataset,
+                                                      img_size=32, arch=FSDP_ARCH,
+                                                      batch_size=batch_size, epochs=2,
                                                       lr="1e-3"))
 
 
@@ -97,3 +100,23 @@ def test_stop_and_resume_ends_bit_for_bit_as_the_run_that_never_stopped(
         for key in ("epoch", "val_acc", "optimizer_steps", "train_loss", "grad_norm_mean",
                     "grad_norm_max"):
             assert row[key] == pytest.approx(want_row[key], rel=1e-12), (key, row, want_row)
+
+
+def test_a_stop_in_the_last_step_on_the_fast_path_resumes_with_no_step_left(
+        cifar_root, tmp_path):
+    """The fast path (CIFAR-10 held on the device: 30 training images, batch 8, steps of 8,
+    8, 8 and 6) after a stop in the epoch's last step: the resumed epoch has no batch left
+    -- not one of 0 images -- and the run ends as the one that never stopped."""
+    run = partial(_run, cifar_root, dataset="CIFAR10", batch_size=8)
+    code, out, err = run(tmp_path / "whole")
+    assert code == 0, err
+    want, want_rows = _final(tmp_path / "whole")
+    ckpt = tmp_path / "stopped"
+    code, out, err = run(ckpt, stop_at_loss=4)
+    assert code == 143 and "stopped by SIGTERM at epoch 1, step 4" in out, out + err
+    code, out, err = run(ckpt, "--resume")
+    assert code == 0 and "resumed from" in out, out + err
+    got, rows = _final(ckpt)
+    for key in ("model", "optimizer", "scheduler", "epoch", "step", "best_acc"):
+        _assert_equal_states(got[key], want[key], key)
+    assert [r["optimizer_steps"] for r in rows] == [r["optimizer_steps"] for r in want_rows]

@@ -156,6 +156,10 @@ class DeviceLoader:
     def batches(self, start: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         """The epoch's batches from batch ``start`` on (a resumed epoch's rest; 0: all)."""
         indices, flips = self._epoch_indices(start * self.batch_size)
+        if not len(indices):
+            # Nothing left (a stop in the epoch's last step; an empty shard): no batch, where
+            # split() would give one of 0 images.
+            return iter(())
         # The epoch cut into its batches at once: one op an epoch, not two slices a batch.
         batches = indices.split(self.batch_size)
         flipped = flips.split(self.batch_size) if flips is not None else [None] * len(batches)
