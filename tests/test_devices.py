@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import FAST_ARCH, quick_flags, run_main
 from ampkit.device import (accelerator, choose_device, device_type, peak_memory_mb, refusal,
                            refuse_unsupported)
-from ampkit.errors import UserError
+from ampkit.errors import RankError, UserError
 from helpers.machines import pretend_machine
 
 
@@ -148,8 +148,8 @@ def test_a_groups_process_takes_its_local_device_and_its_backend(kind, count, ba
     device = process_device("auto", local_rank=1 if kind else 0, loss_scaling=kind == "cuda")
     assert device == (torch.device(kind, 1) if kind else torch.device("cpu"))
     assert dist.get_default_backend_for_device(device) == backend
-    if kind:  # one process per device, no more
-        with pytest.raises(UserError, match=f"LOCAL_RANK {count} but only {count}"):
+    if kind:  # one process per device, no more; said by the rank that finds it (never 0)
+        with pytest.raises(RankError, match=f"LOCAL_RANK {count} but only {count}"):
             process_device("auto", local_rank=count)
 
 

@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .errors import UserError
+from .errors import RankError, UserError
 
 
 DEVICES = ("auto", "cuda", "xpu", "mps", "cpu")
@@ -97,7 +97,8 @@ def choose_device(choice: str, local_rank: Optional[int] = None) -> torch.device
         return torch.device(kind)
     count = torch.accelerator.device_count()
     if local_rank >= count:
-        raise UserError(f"LOCAL_RANK {local_rank} but only {count} {NAMES[kind]}(s) are "
+        # Only ranks past the device count find this, never rank 0: each says it itself.
+        raise RankError(f"LOCAL_RANK {local_rank} but only {count} {NAMES[kind]}(s) are "
                         "visible: start at most one process per device")
     return torch.device(kind, local_rank)
 
