@@ -156,6 +156,7 @@ def test_an_entry_added_to_training_state_is_saved_and_resumed_by_its_name(tmp_p
 
     from ampkit.checkpoint import LAST, Saver, restore, resume
     from ampkit.distributed import DistInfo
+    from ampkit.errors import UserError
     from ampkit.flags import parse_train_args
     from ampkit.run import RunLogger
 
@@ -189,3 +190,16 @@ def test_an_entry_added_to_training_state_is_saved_and_resumed_by_its_name(tmp_p
         assert torch.equal(ema2.weight, ema.weight) == given
         said = capsys.readouterr().out
         assert ("the checkpoint's 'ema' is not restored" in said) != given, said
+
+    # An object the checkpoint holds nothing for starts anew, and says so; a saved state that
+    # does not fit its object is one line, not a traceback.
+    network3, optimizer3, _ = objects(2)
+    resumed = resume("auto", run_dir, network3, info, init_from=None, args=args)
+    restore(resumed, RunLogger(True), args=args, model=network3, optimizer=optimizer3,
+            swa=nn.Linear(4, 3))
+    assert "swa starts anew: the checkpoint holds none" in capsys.readouterr().out
+    network4, optimizer4, _ = objects(3)
+    resumed = resume("auto", run_dir, network4, info, init_from=None, args=args)
+    with pytest.raises(UserError, match=r"its 'ema' does not fit this run's ema \(.*size"):
+        restore(resumed, RunLogger(True), args=args, model=network4, optimizer=optimizer4,
+                ema=nn.Linear(4, 5))

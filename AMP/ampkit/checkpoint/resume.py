@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..distributed import DistInfo, gather_from_ranks, load_optimizer_state
+from ..distributed import CommHook, DistInfo, gather_from_ranks, load_optimizer_state
 from ..errors import UserError
 from ..flags import DEFAULT_LR
 from ..randomness import restore_random_state
@@ -251,25 +251,35 @@ def resume(resume_flag: Optional[str], run_dir: Path, network: nn.Module, info: 
 def restore(resumed: Resumed, log, *, args, model: nn.Module, **objects) -> None:
     """After ``build()``: each entry of the checkpoint's ``training_state()`` (but its weights,
     loaded before) back into the object of the same name (``objects``: ``optimizer=``,
-    ``scheduler=``, ``scaler=``, ...) by its ``load_state_dict``; None on either side: left as
-    it is. The optimizer keeps how it was built (fused) and, over an FSDP2 ``model``, has
+    ``scheduler=``, ``scaler=``, ...) by its ``load_state_dict``; an object the checkpoint
+    holds nothing for starts anew, and says so; a saved state that does not fit its object
+    is one line. The optimizer keeps how it was built (fused) and, over an FSDP2 ``model``, has
     its full state sharded again. What a loading says (a comm hook's step count) and an entry
     no object took are said by ``log``, with where the run starts and the flags it changes
     against the checkpoint's run (``args``: this run's)."""
     notes = []
     if resumed.path is not None:
-        for name, saved in resumed.state.items():
-            target = objects.get(name)
-            if target is None or saved is None:
-                if target is None and saved is not None:
+        for name in dict.fromkeys([*resumed.state, *objects]):
+            saved, target = resumed.state.get(name), objects.get(name)
+            if target is None:
+                if saved is not None:
                     notes.append(f"the checkpoint's {name!r} is not restored: restore() got "
                                  f"no {name}= to load it into")
                 continue
-            if isinstance(target, torch.optim.Optimizer):
-                load_optimizer_state(target, saved, model)
-            else:
-                said = target.load_state_dict(saved)
-                notes.append(said if isinstance(said, str) else "")
+            if saved is None and not isinstance(target, CommHook):  # the hook says its own
+                notes.append(f"{name} starts anew: the checkpoint holds none")
+                continue
+            try:
+                if isinstance(target, torch.optim.Optimizer):
+                    load_optimizer_state(target, saved, model)
+                else:
+                    said = target.load_state_dict(saved)
+                    notes.append(said if isinstance(said, str) else "")
+            except (KeyError, RuntimeError, TypeError, ValueError) as e:
+                # load_state_dict's reasons follow its first line: all of it, on one.
+                why = " ".join(str(e).split())[:300] or type(e).__name__
+                raise UserError(f"{resumed.path}: its {name!r} does not fit this run's {name} "
+                                f"({why})") from None
         if resumed.state:
             notes.append(changes(resumed.trained, args, objects["optimizer"]))
     resumed.state = {}  # let go
