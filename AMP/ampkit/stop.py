@@ -16,7 +16,8 @@ validation, in a save, in the last epoch):
    optimizer step, read one step later (in one process: at once); before every epoch but
    the run's first, for a signal during the previous epoch's validation, save or log; and
    at the run's end. They stop at the first vote that finds a signal, all at the same step.
-   A signal during the set-up stops the run after its first step.
+   A signal during the set-up stops the run after its first step (in a group: its second,
+   where the first step's vote is read).
 3. ``last.pth`` is then saved for exactly that point (mid-epoch, or after the epoch; an
    epoch's whole last step included) unless it already holds it; the run says where it
    stopped and every rank exits 128 + the voted signal (SIGTERM 143, SIGUSR1 138, SIGINT
@@ -165,7 +166,7 @@ class StopVote:
     def before_epoch(self) -> bool:
         """Before an epoch (blocking): whether any rank asked to stop since the previous
         epoch's last step, during its validation, save or log. The run's first epoch takes
-        no such vote (a signal during the set-up stops the run after its first step)."""
+        no such vote (a signal during the set-up is read after the first step's vote)."""
         first, self._epochs_begun = not self._epochs_begun, self._epochs_begun + 1
         return False if first else self.any_rank_asked()
 

@@ -68,7 +68,7 @@ def agreed_path(seen: List[tuple], rank: int) -> Optional[Path]:
     :func:`what_this_rank_sees` in rank order: rank 0's choice, which every rank must see.
     Each loads the file at its own
     path (its own ``--checkpoint``), which must be the one rank 0 resumes -- the same size and
-    zip directory (``checkpoint.identity``); a rank that cannot read it stops every rank too.
+    zip directory (``files.identity``); a rank that cannot read it stops every rank too.
     Rank 0 alone writes them, so on several nodes the folder must be shared (or copied): a
     node that sees no checkpoint, or another one, would start afresh or fail while its peers
     wait. Instead every rank stops with one line naming the first such rank, its host and
@@ -142,7 +142,7 @@ class Resumed:
     best_epoch: int = -1
     state: Dict[str, Any] = field(default_factory=dict)  # training_state()'s, but the weights
     trained: Dict[str, Any] = field(default_factory=dict)  # the checkpoint's run's flags
-    identity: Optional[Tuple[int, str]] = None  # of the bytes loaded (checkpoint.identity)
+    identity: Optional[Tuple[int, str]] = None  # of the bytes loaded (files.identity)
     so_far: Optional[Dict[str, Any]] = None  # a stopped epoch's figures up to its stop
     streams: str = ""  # how this rank's random streams go on, when not as they were saved
     repaired: str = ""  # what was done to best.pth, to match the record (repair_best)

@@ -195,7 +195,7 @@ NUM_CLASSES = {"CIFAR10": CIFAR_CLASSES, "FakeData": 10}
 
 def build_transform(img_size: int) -> transforms.Compose:
     """What both splits' images go through; a training image's flip is its sampler's
-    (:class:`.samplers.ResumableSampler`), not a random transform's."""
+    (:class:`ResumableSampler`), not a random transform's."""
     return transforms.Compose([transforms.Resize((img_size, img_size), antialias=True),
                                transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
 
@@ -301,8 +301,7 @@ class ResumableSampler(Sampler[int]):
     flips on both input paths, in a resumed epoch as in the interrupted one, and none of
     the random stream that dropout draws from. ``pairs``: it yields ``(index, flip)`` (the
     classic path's :class:`.classic.NextReadable` takes them); else the indices, and the fast
-    path
-    takes :meth:`flips`."""
+    path takes :meth:`flips`."""
 
     def __init__(self, sampler: Sampler[int], pairs: bool = False) -> None:
         self.sampler, self.pairs = sampler, pairs
