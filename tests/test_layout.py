@@ -155,10 +155,15 @@ def test_the_run_is_set_up_then_its_epochs_run_in_deits_shape(name):
                                            "make_network", "resume", "build", "restore")]
     assert set_up == sorted(set_up), (name, set_up)
     build = next(c for c in _calls(main) if _dotted(c.func) == "build")
-    assert not build.keywords or all(k.arg is not None for k in build.keywords), name
+    # The bare network and the criterion by position; every value by its name.
+    assert len(build.args) == 2 and all(k.arg is not None for k in build.keywords), name
     if _techniques(name) & {"autocast", "mixed"}:  # the precision, decided in main()
         assert _first(called, "resolve_amp_dtype") < _first(called, "RunFolder"), name
         assert "amp_dtype" in {k.arg for k in build.keywords}, name
+    if "refuse_unsupported" in called:  # what the device cannot run, before anything runs
+        assert _first(called, "refuse_unsupported") < _first(called, "RunFolder"), name
+    if "mixed" in _techniques(name):  # whether a GradScaler runs: decided once, in main()
+        assert "loss_scaling" in {k.arg for k in build.keywords}, name
     loops = [n for n in ast.walk(main) if isinstance(n, ast.For)]
     assert len(loops) == 1, name
     epoch = _called(loops[0])
