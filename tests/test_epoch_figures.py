@@ -117,15 +117,6 @@ def test_every_epoch_trains_in_a_new_order(script, imagefolder_root, tmp_path, c
     assert orders[0] != orders[1], "the second epoch repeated the first one's order"
 
 
-def test_several_processes_without_a_distributed_sampler_are_refused():
-    from ampkit.data.datasets import one_process_sampler
-    from ampkit.errors import UserError
-
-    assert len(one_process_sampler(10, 0)) == 10
-    with pytest.raises(UserError, match="DistributedSampler"):
-        one_process_sampler(10, 0, world_size=2)
-
-
 @pytest.mark.slow
 def test_a_log_file_gets_a_few_progress_lines_not_one_per_step(imagefolder_root, tmp_path):
     """Where stderr is not a terminal (a log file, SLURM, compare.py's children), the bars

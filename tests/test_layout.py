@@ -448,7 +448,7 @@ def test_no_function_imports_a_project_module():
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_to_all", "barrier",
                "broadcast", "broadcast_object_list", "gather_object", "monitored_barrier",
                "gather", "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send",
-               "sum_over_ranks", "max_over_ranks", "gather_from_ranks", "any_rank",
+               "max_over_ranks", "gather_from_ranks", "any_rank",
                "local_main_first", "agree_on_resumed", "rank_random_states", "stop_vote",
                "before_epoch", "any_rank_asked", "after_step"}
 # The modules whose calls every rank makes together, each saying so in its docstring; the

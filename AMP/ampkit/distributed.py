@@ -71,13 +71,6 @@ def barrier(info: DistInfo) -> None:
             dist.barrier()
 
 
-def sum_over_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """``t`` summed over the ranks, in place (on its device: no host sync)."""
-    if info.distributed:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
 def max_over_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """``t``'s largest value over the ranks, elementwise, in place."""
     if info.distributed:

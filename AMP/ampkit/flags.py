@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .device import DEVICES
+from .distributed import HOOKS
 from .errors import UserError
 from .models import check_arch_flags, check_dp_scope
 
@@ -286,13 +287,12 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozens
 
 
 # ---- what travels between the processes: DDP's comm hook, FSDP2's reduce dtype
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")  # ampkit/distributed.py's CommHook
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # train_FSDP_mixed.py
 
 
 def add_wire_flags(p: argparse.ArgumentParser) -> None:
     """What travels between the processes: DDP's comm hook, FSDP2's reduce dtype."""
-    p.add_argument("--comm_hook", choices=COMM_HOOKS, default="none",
+    p.add_argument("--comm_hook", choices=HOOKS, default="none",
                    help="DDP scripts: what the gradients' all-reduce sends: fp32 (none), cast "
                         "to fp16 or bf16 (half the bytes), or PowerSGD's low-rank factors")
     p.add_argument("--powersgd_rank", type=int, default=None, metavar="R",

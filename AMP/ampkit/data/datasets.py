@@ -332,14 +332,11 @@ class ResumableSampler(Sampler[int]):
         return max(0, self.num_samples - self.start_index)
 
 
-def one_process_sampler(size: int, seed: int, world_size: int = 1) -> DistributedSampler:
+def one_process_sampler(size: int, seed: int) -> DistributedSampler:
     """The training order of a script that runs in one process: ``DistributedSampler``'s for
-    one replica, so every variant shuffles the same way for the same seed and epoch.
-    Under a process group of several (``world_size``) that would give every process all of
-    the data: a DDP script makes its own DistributedSampler."""
-    if world_size > 1:
-        raise UserError(f"{world_size} processes need a DistributedSampler, or each would "
-                        "train on all of the data")
+    one replica, so every variant shuffles the same way for the same seed and epoch. (Under
+    torchrun with several processes a one-process script is refused at its flags: each
+    process would train on all of the data.)"""
     return DistributedSampler(range(size), num_replicas=1, rank=0, shuffle=True, seed=seed)
 
 

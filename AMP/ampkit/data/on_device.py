@@ -89,7 +89,6 @@ class DeviceLoader:
         self.labels = labels.to(self.device, torch.int64)
         self.batch_size, self.img_size = batch_size, img_size
         self.train = train
-        self.channels_last = channels_last
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.image_shape = (3, img_size, img_size)
         self.dataset_size = n = images_u8.shape[0]
