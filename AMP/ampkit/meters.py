@@ -80,9 +80,9 @@ class TrainStats:
 class StepFigures:
     """An epoch's per-step figures: each step's micro-batch losses and gradient norm as the
     step returns them, kept on the device (adding a step costs no op and no sync), then read
-    on the host in one copy every ``log_every`` steps and summed there in double precision,
-    each loss weighted by its micro-batch's images -- a device may have no float64 at all
-    (MPS, some Intel GPUs). ``scaled``: a GradScaler runs, and it skips exactly the steps
+    on the host in one copy every ``log_every`` steps (float32 tensors, stacked) and summed
+    there as Python floats, each loss weighted by its micro-batch's images: no float64
+    tensor, which a device may not have at all (MPS, some Intel GPUs). ``scaled``: a GradScaler runs, and it skips exactly the steps
     whose unscaled gradients hold an inf/NaN, the ones whose gradient norm (taken after
     ``unscale_``) is inf/NaN: those are counted as skipped, and their norm in no mean or
     maximum."""
