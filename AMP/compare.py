@@ -83,6 +83,9 @@ def build_parser() -> Parser:
     g.add_argument("--dataset_root", type=Path, default=d.get_default("dataset_root"))
     g.add_argument("--img_size", type=int, default=d.get_default("img_size"))
     g.add_argument("--epochs", type=int, default=d.get_default("epochs"))
+    g.add_argument("--train_subset", type=int, default=None, metavar="N",
+                   help="train on N images of the training set, as many of each class, the same "
+                        "for every variant and seed (named in the results and figure)")
     g.add_argument("--batch_size", type=int, default=d.get_default("batch_size"),
                    help="batch size; PER PROCESS for the DDP variants, as in their scripts")
     g.add_argument("--lr", type=float, default=DEFAULT_LR)
@@ -131,8 +134,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if len(set(names)) != len(names):
         p.error("--variants names a variant twice")
     args.variant_list = names
-    for flag in ("epochs", "batch_size", "img_size"):
-        if getattr(args, flag) <= 0:
+    for flag in ("epochs", "batch_size", "img_size", "train_subset"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             p.error(f"--{flag} must be a positive integer")
     try:
         check_arch_flags(args.arch, args.img_size)

@@ -118,6 +118,7 @@ def main(argv=None):
                                      args.batch_size, run.info, loader=args.loader,
                                      num_workers=args.num_workers,
                                      channels_last=args.channels_last,
+                                     train_subset=args.train_subset,
                                      skip_bad=args.skip_bad_images)
             # Each process its own share of the data, in a new order every epoch (the
             # article's never changed its order).

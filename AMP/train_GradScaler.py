@@ -79,6 +79,7 @@ def main(argv=None):
                              args.batch_size, run.info, loader=args.loader,
                              num_workers=args.num_workers,
                              channels_last=args.channels_last,
+                             train_subset=args.train_subset,
                              skip_bad=args.skip_bad_images)
         sampler = one_process_sampler(len(data.train_set), seed=args.seed)
         loader = data.train_loader(sampler)

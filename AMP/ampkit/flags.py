@@ -26,7 +26,7 @@ DATA_DIR = REPO_ROOT / "data"
 CHECKPOINT_DIR = REPO_ROOT / "checkpoint"
 TENSORBOARD_DIR = REPO_ROOT / "tensorboard"
 
-DATASETS = ("CIFAR10", "ImageFolder", "FakeData")
+DATASETS = ("CIFAR10", "FashionMNIST", "ImageFolder", "FakeData")
 AMP_DTYPES = ("float16", "bfloat16")
 LOADERS = ("auto", "fast", "classic")
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes that --compile takes
@@ -47,8 +47,10 @@ def _formatter(prog):
 def _add_common(p: argparse.ArgumentParser, *, process_group: bool, for_eval: bool) -> None:
     from_ckpt = " (default: as the checkpoint was trained)" if for_eval else ""
     p.add_argument("--dataset", choices=DATASETS, default=None if for_eval else "CIFAR10",
-                   help="CIFAR10 (downloaded into --dataset_root), ImageFolder (a root with "
-                        "train/ and val/ class folders) or FakeData (random images)" + from_ckpt)
+                   help="CIFAR10 or FashionMNIST (downloaded into --dataset_root; Fashion-MNIST "
+                        "offline: apt install dataset-fashion-mnist, --dataset_root "
+                        "/usr/share/datasets/fashion-mnist), ImageFolder (a root with train/ and "
+                        "val/ class folders) or FakeData (random images)" + from_ckpt)
     p.add_argument("--dataset_root", type=Path, default=None if for_eval else DATA_DIR,
                    help="data set folder" + from_ckpt)
     p.add_argument("--img_size", type=int, default=None if for_eval else 227,
@@ -71,7 +73,8 @@ def _add_common(p: argparse.ArgumentParser, *, process_group: bool, for_eval: bo
     p.add_argument("--loader", choices=LOADERS, default="auto",
                    help="input path: 'fast' holds the whole data set as uint8 on the device and "
                         "resizes/normalises/flips there in batch; 'classic' is torchvision's "
-                        "DataLoader with PIL transforms; 'auto' is fast for CIFAR10/FakeData, "
+                        "DataLoader with PIL transforms; 'auto' is fast for CIFAR10, FashionMNIST "
+                        "and FakeData, "
                         "classic for ImageFolder")
     p.add_argument("--channels_last", action=argparse.BooleanOptionalAction, default=False,
                    help="use the channels_last memory format for the model and its inputs")
@@ -150,6 +153,9 @@ def train_parser(variant: str, process_group: bool = False, doc: Optional[str] =
                    help=f"AdamW learning rate (default {DEFAULT_LR:g}; a resumed run goes on at "
                         "its optimizer's saved rate unless --lr is given)")
     p.add_argument("--epochs", type=int, default=20, help="number of epochs to train")
+    p.add_argument("--train_subset", type=int, default=None, metavar="N",
+                   help="train on N images of the training set, as many of each class, the same "
+                        "N for every seed and variant (validation stays whole). Default: all")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--pretrained", action="store_true",
                    help="start from torchvision's ImageNet weights (downloaded via torch.hub)")
@@ -229,6 +235,8 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
         raise UserError(f"--log_every must be a positive integer, got {args.log_every}")
     if args.accum_steps <= 0:
         raise UserError(f"--accum_steps must be a positive integer, got {args.accum_steps}")
+    if args.train_subset is not None and args.train_subset <= 0:
+        raise UserError(f"--train_subset must be a positive integer, got {args.train_subset}")
     if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad > 0):
         raise UserError(f"--clip_grad must be a positive number, got {args.clip_grad}")
     check_wire_flags(args, given)

@@ -25,10 +25,15 @@ def _preamble(comp: Comparison, machine: str) -> List[str]:
         f"Command: `{command}`",
         "",
         f"- Machine: {machine}; torch {comp.torch_version}, Python {platform.python_version()}",
-        f"- Data: {a.dataset} ({short(a.dataset_root)}) at {a.img_size}px; {a.epochs} epochs, batch "
+        f"- Data: {a.dataset} ({short(a.dataset_root)}){subset_words(a.train_subset)} at "
+        f"{a.img_size}px; {a.epochs} epochs, batch "
         f"{a.batch_size} (per process under DDP), AdamW lr {a.lr:g}, {seeds}",
         f"- Run: {time.strftime('%Y-%m-%d %H:%M')}; DDP variants: {comp.nproc} processes",
     ]
+
+
+def subset_words(train_subset) -> str:
+    return "" if train_subset is None else f", {train_subset} training images"
 
 
 NOTES = [
@@ -74,7 +79,8 @@ def write_results(comp: Comparison, results: List[VariantResult], plot: bool = T
     try:
         figure = plot_results(
             bars, comp.dir / "results.png", curves={str(k): v for k, v in curves.items()},
-            bands=bands, title=f"{a.dataset} {a.img_size}px, {a.epochs} epochs, {machine}")
+            bands=bands, title=f"{a.dataset}{subset_words(a.train_subset)} {a.img_size}px, "
+                               f"{a.epochs} epochs, {machine}")
     except Exception as e:  # a plot must not cost the user the table
         print(f"compare.py: warning: results.png not written ({e})", file=sys.stderr)
     if a.tensorboard:

@@ -94,6 +94,8 @@ class Comparison:
             cmd += ["--arch", a.arch]
         if a.num_workers is not None:
             cmd += ["--num_workers", str(a.num_workers)]
+        if a.train_subset is not None:
+            cmd += ["--train_subset", str(a.train_subset)]
         return cmd
 
     def under(self, root: Path, seed: int) -> Path:

@@ -113,7 +113,7 @@ def resume_mismatches(state: dict, args, world_size: int) -> List[str]:
     trained, diffs, variant = state.get("args") or {}, [], args.variant
     if state.get("variant", variant) != variant:
         diffs.append(f"it is a {state['variant']} run, this is {variant}")
-    for key in ("dataset", "img_size", "arch"):
+    for key in ("dataset", "img_size", "arch", "train_subset"):
         if key in trained and trained[key] != getattr(args, key):
             diffs.append(f"--{key} {trained[key]} (this run: {getattr(args, key)})")
     root = trained.get("dataset_root")
@@ -288,8 +288,8 @@ def restore(resumed: Resumed, log, *, args, model: nn.Module, **objects) -> None
 
 
 # Refused when they differ (resume_mismatches), or not flags of the run: not named again.
-NOT_COMPARED = {"dataset", "dataset_root", "img_size", "arch", "variant", "resume", "init_from",
-                "lr", "start_lr"}
+NOT_COMPARED = {"dataset", "dataset_root", "img_size", "arch", "train_subset", "variant", "resume",
+                "init_from", "lr", "start_lr"}
 
 
 def changes(trained: Dict[str, Any], args, optimizer: torch.optim.Optimizer) -> str:

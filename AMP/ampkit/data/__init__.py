@@ -1,10 +1,10 @@
 """A run's data: the data sets and the order they are read in (:mod:`.datasets`: CIFAR-10,
-ImageFolder, FakeData), the two input paths -- the whole data set on the device
+Fashion-MNIST, ImageFolder, FakeData), the two input paths -- the whole data set on the device
 (:mod:`.on_device`) or torchvision's DataLoader (:mod:`.classic`) -- and the loaders a
 script takes from them.
 
 ``build_loaders`` picks the path (``--loader auto``: fast for the data sets held whole on the
-device, CIFAR10 and FakeData; classic for ImageFolder). ``Loaders.train_loader(sampler)``
+device, CIFAR10, FashionMNIST and FakeData; classic for ImageFolder). ``Loaders.train_loader(sampler)``
 yields the training batches in a sampler's order (a script's ``DistributedSampler``, or one
 process's); both paths' batches arrive on the device, and a resumed epoch starts at a batch
 of its own (``loader.batches(start)``)."""
@@ -56,7 +56,8 @@ class Loaders:
 
 def loader_kind(dataset: str, loader: str) -> str:
     """The input path ``--loader`` takes for ``dataset``: ``auto`` is the fast one for the data
-    sets held whole on the device (CIFAR10, FakeData), the classic one for ImageFolder."""
+    sets held whole on the device (CIFAR10, FashionMNIST, FakeData), the classic one for
+    ImageFolder."""
     return ("fast" if dataset in NUM_CLASSES else "classic") if loader == "auto" else loader
 
 
@@ -66,7 +67,7 @@ def check_loader_flags(kind: str, *, num_workers: Optional[int], skip_bad: bool)
     if kind == "fast" and (num_workers is not None or skip_bad):
         flag = "--num_workers" if num_workers is not None else "--skip_bad_images"
         raise UserError(f"{flag} is for the classic DataLoader input path; this run takes the "
-                        "fast one (--loader fast, the default for CIFAR10 and FakeData), which "
+                        "fast one (--loader fast, the default for CIFAR10, FashionMNIST and FakeData), which "
                         "has no worker processes and reads no image files: leave it out, or "
                         "give --loader classic")
 
@@ -74,19 +75,22 @@ def check_loader_flags(kind: str, *, num_workers: Optional[int], skip_bad: bool)
 def build_loaders(name: str, root: Path, img_size: int, batch_size: int, info: DistInfo, *,
                   loader: str = "auto", num_workers: Optional[int] = None,
                   channels_last: bool = False, train: bool = True,
-                  skip_bad: bool = False) -> Loaders:
-    """The validation loader and (unless ``train=False``) the training set, fast or classic;
-    CIFAR-10 downloaded by local rank 0 (the caller runs it first: ``local_main_first``)."""
+                  train_subset: Optional[int] = None, skip_bad: bool = False) -> Loaders:
+    """The validation loader and (unless ``train=False``) the training set -- ``train_subset``
+    images of it, as many of each class -- fast or classic; CIFAR-10 and Fashion-MNIST
+    downloaded by local rank 0 (the caller runs it first: ``local_main_first``)."""
     kind = loader_kind(name, loader)
     check_loader_flags(kind, num_workers=num_workers, skip_bad=skip_bad)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     if kind == "fast":
         train_set, val_dl, num_classes = fast_loaders(name, root, img_size, batch_size, info,
-                                                      channels_last=channels_last, train=train)
+                                                      channels_last=channels_last, train=train,
+                                                      train_subset=train_subset)
         make_train = train_set.loader if train else None
         val_size = val_dl.dataset_size
     else:
-        data = build_datasets(name, root, img_size, download=info.is_local_main, train=train)
+        data = build_datasets(name, root, img_size, download=info.is_local_main, train=train,
+                              train_subset=train_subset)
         workers = default_workers(num_workers, info.device)
         train_set, num_classes, val_size = data.train, data.num_classes, len(data.val)
         val_dl = eval_loader(data.val, info, batch_size=batch_size, num_workers=workers,

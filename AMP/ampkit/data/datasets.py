@@ -1,6 +1,7 @@
-"""The data sets both input paths read: CIFAR-10 (torchvision's, checked), ImageFolder
-(``<root>/train/<class>/*``, ``<root>/val/<class>/*``) and FakeData, and what their images
-go through (resized, normalised with ImageNet's statistics).
+"""The data sets both input paths read: CIFAR-10 (torchvision's, checked), Fashion-MNIST
+(:mod:`.fashion_mnist`), ImageFolder (``<root>/train/<class>/*``, ``<root>/val/<class>/*``)
+and FakeData, and what their images go through (resized, normalised with ImageNet's
+statistics, or a grey data set's own); ``--train_subset``'s balanced subset.
 
 CIFAR-10 is downloaded into ``--dataset_root`` by one process per node (no network: the error
 says where to put the archive), checked against its md5 and member by member before anything
@@ -21,18 +22,19 @@ import pickle
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torchvision
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset
 from torchvision import transforms
 from torchvision.datasets.utils import calculate_md5, download_url
 
 from ..errors import RankError, UserError
 from ..randomness import derived_seed
+from . import fashion_mnist
 
 
 CIFAR_CLASSES = 10  # its labels: 0..9
@@ -190,14 +192,46 @@ STD = (0.229, 0.224, 0.225)
 FAKE_TRAIN_SIZE, FAKE_VAL_SIZE = 1000, 200
 # The data sets of a known number of classes (ImageFolder: its number of class folders),
 # which the fast input path holds whole on the device.
-NUM_CLASSES = {"CIFAR10": CIFAR_CLASSES, "FakeData": 10}
+NUM_CLASSES = {"CIFAR10": CIFAR_CLASSES, "FashionMNIST": fashion_mnist.CLASSES, "FakeData": 10}
 
 
-def build_transform(img_size: int) -> transforms.Compose:
+def normalization(name: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    """(mean, std) per channel: a grey data set's own, ImageNet's for the colour ones."""
+    return (fashion_mnist.MEAN, fashion_mnist.STD) if name == "FashionMNIST" else (MEAN, STD)
+
+
+def build_transform(img_size: int, name: str = "CIFAR10") -> transforms.Compose:
     """What both splits' images go through; a training image's flip is its sampler's
-    (:class:`ResumableSampler`), not a random transform's."""
-    return transforms.Compose([transforms.Resize((img_size, img_size), antialias=True),
-                               transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+    (:class:`ResumableSampler`), not a random transform's. A grey image becomes the three
+    channels the networks take, after the resize (a third of the work)."""
+    grey = [transforms.Grayscale(num_output_channels=3)] if name == "FashionMNIST" else []
+    return transforms.Compose([transforms.Resize((img_size, img_size), antialias=True), *grey,
+                               transforms.ToTensor(), transforms.Normalize(*normalization(name))])
+
+
+def balanced_subset(labels: Sequence[int], size: int, num_classes: int) -> List[int]:
+    """``--train_subset``: ``size`` indices, as many of each class as can be (the first
+    classes take the remainder), drawn by a fixed seed: the same subset for every --seed,
+    variant and input path. Sorted, so the sampler's shuffle is the only order."""
+    labels = torch.as_tensor(labels)
+    if not num_classes <= size <= len(labels):
+        raise UserError(f"--train_subset {size}: the training set has {len(labels)} images in "
+                        f"{num_classes} classes; take {num_classes} to {len(labels)}")
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    chosen = []
+    for c in range(num_classes):
+        quota = size // num_classes + (c < size % num_classes)
+        members = order[labels[order] == c][:quota]
+        if len(members) < quota:
+            raise UserError(f"--train_subset {size}: class {c} has {len(members)} training "
+                            f"images, fewer than its {quota}; take a smaller subset")
+        chosen.append(members)
+    return torch.cat(chosen).sort().values.tolist()
+
+
+def _labels(dataset: Dataset) -> Sequence[int]:
+    targets = getattr(dataset, "targets", None)
+    return targets if targets is not None else [dataset[i][1] for i in range(len(dataset))]
 
 
 class BadImage(RankError):
@@ -259,12 +293,25 @@ class Datasets:
 
 
 def build_datasets(name: str, root: Path, img_size: int, download: bool,
-                   train: bool = True) -> Datasets:
-    """The training split (unless ``train=False``) and the validation/test split; CIFAR-10
-    downloaded if it is not there and ``download`` (one process per node: the caller runs
-    it first, ``distributed.local_main_first``)."""
-    root = Path(root)
-    train_tf = val_tf = build_transform(img_size)
+                   train: bool = True, train_subset: Optional[int] = None) -> Datasets:
+    """The training split (unless ``train=False``; ``train_subset`` images of it, balanced)
+    and the validation/test split; CIFAR-10 and Fashion-MNIST downloaded if they are not
+    there and ``download`` (one process per node: the caller runs it first,
+    ``distributed.local_main_first``)."""
+    data = _datasets(name, Path(root), img_size, download, train)
+    if train and train_subset is not None:
+        indices = balanced_subset(_labels(data.train), train_subset, data.num_classes)
+        data.train = Subset(data.train, indices)
+    return data
+
+
+def _datasets(name: str, root: Path, img_size: int, download: bool, train: bool) -> Datasets:
+    train_tf = val_tf = build_transform(img_size, name)
+    if name == "FashionMNIST":
+        train_set = (fashion_mnist.FashionMNIST(root, True, train_tf, download)
+                     if train else None)
+        val_set = fashion_mnist.FashionMNIST(root, False, val_tf, download)
+        return Datasets(train_set, val_set, NUM_CLASSES[name])
     if name == "CIFAR10":
         check_cifar_root(root)
         train_set = cifar10(root, True, train_tf, download=download) if train else None

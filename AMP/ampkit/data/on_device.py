@@ -10,8 +10,9 @@ No DataLoader, no workers, no copy and no host sync per step: the epoch's order 
 device in one asynchronous copy, and its flips are the sampler's, drawn from (seed, epoch,
 rank), so a resumed epoch gets the same ones. On the CPU the resize runs on uint8
 (it rounds like PIL: the classic path's pixels to one uint8 step), on CUDA in float32. The
-order is the classic path's sampler's, so both paths agree sample for sample. CIFAR10 and
-FakeData take this path; ImageFolder stays on the classic one.
+order is the classic path's sampler's, so both paths agree sample for sample. CIFAR10,
+FashionMNIST (its grey channel as three) and FakeData take this path; ImageFolder stays on
+the classic one.
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ from torch.utils.data import Sampler, TensorDataset
 from ..device import pinned
 from ..distributed import DistInfo
 from ..errors import UserError
-from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, MEAN, NUM_CLASSES, STD, check_cifar_root,
-                       cifar10)
+from . import fashion_mnist
+from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, NUM_CLASSES, balanced_subset,
+                       check_cifar_root, cifar10, normalization)
 from .datasets import IndexSampler, ResumableSampler, one_process_sampler
 
 
@@ -55,6 +57,9 @@ def load_uint8(name: str, root: Path, info: DistInfo, train: bool) -> Tuple[torc
         # permuting back gives a contiguous tensor without a copy.
         images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
         return images, torch.tensor(ds.targets, dtype=torch.int64)
+    if name == "FashionMNIST":
+        images, labels = fashion_mnist.load_split(root, train, download=info.is_local_main)
+        return images.unsqueeze(1).expand(-1, 3, -1, -1).contiguous(), labels
     if name == "FakeData":
         return _fake_uint8(train)
     if name == "ImageFolder":
@@ -66,14 +71,15 @@ def load_uint8(name: str, root: Path, info: DistInfo, train: bool) -> Tuple[torc
 class DeviceLoader:
     """Batches (images, targets) already on ``device``, from a uint8 tensor held there.
 
-    images: float32 [B, 3, img_size, img_size], normalised with MEAN/STD
-    (channels_last memory format if asked); targets: int64 [B].
+    images: float32 [B, 3, img_size, img_size], normalised with ``normalization``'s mean
+    and std (channels_last memory format if asked); targets: int64 [B].
     """
 
     def __init__(self, images_u8: torch.Tensor, labels: torch.Tensor, *, batch_size: int,
                  img_size: int, device: torch.device, train: bool, info: DistInfo,
                  sampler: Optional[Sampler[int]] = None, seed: int = 0,
-                 channels_last: bool = False) -> None:
+                 channels_last: bool = False,
+                 normalization: Tuple[tuple, tuple] = normalization("CIFAR10")) -> None:
         """``sampler``: the order (training: the script's DistributedSampler; None: one
         process's, seeded by ``seed``; validation: this rank's shard)."""
         if images_u8.dtype != torch.uint8 or images_u8.dim() != 4 or images_u8.shape[1] != 3:
@@ -97,8 +103,8 @@ class DeviceLoader:
                        else IndexSampler.shard(n, info.rank, info.world_size))
         self.sampler = ResumableSampler(sampler) if train else sampler
         # Normalize((x/255 - mean) / std) as x * scale + bias on the 0..255 values.
-        std = torch.tensor(STD, dtype=torch.float32).view(1, 3, 1, 1) * 255
-        mean = torch.tensor(MEAN, dtype=torch.float32).view(1, 3, 1, 1) * 255
+        mean, std = (torch.tensor(v, dtype=torch.float32).view(1, 3, 1, 1) * 255
+                     for v in normalization)
         self._scale = (1 / std).to(self.device)
         self._bias = (-mean / std).to(self.device)
         # The CPU has a fast uint8 antialiased bilinear kernel (channels_last) that also
@@ -180,14 +186,19 @@ class DeviceSplit(TensorDataset):
 
 
 def fast_loaders(name: str, root: Path, img_size: int, batch_size: int, info: DistInfo,
-                 channels_last: bool = False, train: bool = True
+                 channels_last: bool = False, train: bool = True,
+                 train_subset: Optional[int] = None
                  ) -> Tuple[Optional[DeviceSplit], DeviceLoader, int]:
-    """(the training split, or None with ``train=False``; the validation loader; the number
-    of classes)."""
+    """(the training split -- ``train_subset`` images of it, balanced -- or None with
+    ``train=False``; the validation loader; the number of classes)."""
     kw = dict(batch_size=batch_size, img_size=img_size, device=info.device, info=info,
-              channels_last=channels_last)
+              channels_last=channels_last, normalization=normalization(name))
     train_set = None
     if train:
-        train_set = DeviceSplit(*load_uint8(name, root, info, train=True), **kw)
+        images, labels = load_uint8(name, root, info, train=True)
+        if train_subset is not None:
+            kept = torch.tensor(balanced_subset(labels, train_subset, NUM_CLASSES[name]))
+            images, labels = images[kept], labels[kept]
+        train_set = DeviceSplit(images, labels, **kw)
     images, labels = load_uint8(name, root, info, train=False)
     return train_set, DeviceLoader(images, labels, train=False, **kw), NUM_CLASSES[name]
