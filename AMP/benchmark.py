@@ -135,7 +135,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     pipes = measure_input.measure_pipelines(
         PIPELINES[args.pipeline], args.dataset_root, args.img_size, args.batch_size,
         default_workers(args.num_workers, device), device, warmup=min(args.warmup, 2),
-        batches=args.pipeline_batches, repeat=args.repeat, channels_last=args.channels_last)
+        batches=args.pipeline_batches, repeat=args.repeat, channels_last=args.channels_last,
+        dataset=args.dataset)
     if steps:
         print("\nTraining step (synthetic batches on the device; warm-up excluded; "
               f"timer: {'CUDA events' if device.type == 'cuda' else 'perf_counter'}):")

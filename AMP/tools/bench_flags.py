@@ -21,7 +21,7 @@ PIPELINES = {"all": ["article", "classic", "fast"], "both": ["classic", "fast"],
 
 
 def build_parser() -> Parser:
-    # allow_abbrev=False: the removed --dataset must not be taken as --dataset_root
+    # allow_abbrev=False: --dataset_r is no abbreviation of --dataset_root
     p = Parser(prog="benchmark.py", description=DESCRIPTION, allow_abbrev=False,
                formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(
                    prog, max_help_position=32))
@@ -86,6 +86,9 @@ def _add_pipeline_flags(p: Parser) -> None:
     p.add_argument("--pipeline", choices=list(PIPELINES), default="both",
                    help="input paths to measure: 'all' adds the article's PIL path to the "
                         "classic and fast ones ('both')")
+    p.add_argument("--dataset", choices=("CIFAR10", "FashionMNIST"), default="CIFAR10",
+                   help="input pipeline data: CIFAR10, or FashionMNIST's idx files in "
+                        "--dataset_root")
     p.add_argument("--dataset_root", type=Path, default=DATA_DIR,
                    help="input pipeline data: CIFAR-10 (cifar-10-batches-py/) if present here, "
                         "else batch_size x (warm-up + timed batches + 1) generated images "

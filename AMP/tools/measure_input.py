@@ -9,6 +9,8 @@ One epoch after another, the first ``warmup`` batches not timed:
 
 Without CIFAR-10 under ``root``, generated images in CIFAR-10's on-disk format are used
 (:mod:`tools.cifar_files`; the pipelines' cost does not depend on the pixel values).
+``dataset="FashionMNIST"`` reads Fashion-MNIST's idx files from ``root`` instead (the
+article's path then is torchvision's FashionMNIST class, its grey made three channels).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from torchvision import transforms
 
 from ampkit.data.classic import train_loader
 from ampkit.data.datasets import CIFAR10, build_datasets
+from ampkit.data.fashion_mnist import FashionMNIST
 from ampkit.data.on_device import fast_loaders
 from ampkit.device import synchronize
 from ampkit.distributed import DistInfo
@@ -53,19 +56,21 @@ class PipelineResult:
 
 
 def _pipeline(kind: str, root: Path, img_size: int, batch_size: int, num_workers: int,
-              info: DistInfo, channels_last: bool):
+              info: DistInfo, channels_last: bool, dataset: str = "CIFAR10"):
     if kind == "article":
-        # torchvision's CIFAR10 apart from its md5 check at construction (generated data
-        # would fail it); images are read and transformed exactly as torchvision does.
-        tf = transforms.Compose([transforms.Resize(img_size), transforms.ToTensor()])
-        dataset = CIFAR10(str(root), train=True, transform=tf, download=False)
-        return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=0)
+        # torchvision's class apart from its checks at construction (generated data would
+        # fail CIFAR10's md5); images are read and transformed exactly as torchvision does.
+        grey = [transforms.Grayscale(3)] if dataset == "FashionMNIST" else []
+        tf = transforms.Compose([transforms.Resize(img_size), *grey, transforms.ToTensor()])
+        cls = FashionMNIST if dataset == "FashionMNIST" else CIFAR10
+        data = cls(root, train=True, transform=tf, download=False)
+        return DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=0)
     if kind == "classic":
-        data = build_datasets("CIFAR10", root, img_size, download=False)
+        data = build_datasets(dataset, root, img_size, download=False)
         return train_loader(data.train, batch_size=batch_size, num_workers=num_workers,
                             device=info.device, img_size=img_size, seed=0)
     if kind == "fast":
-        return fast_loaders("CIFAR10", root, img_size, batch_size, info,
+        return fast_loaders(dataset, root, img_size, batch_size, info,
                             channels_last=channels_last)[0].loader()
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
@@ -98,6 +103,11 @@ def _ctrl_c_between_batches() -> Iterator[Callable[[], None]]:
     check()
 
 
+def _data_root(dataset: str, root: Optional[Path], n: int):
+    """CIFAR-10's folder (generated when ``root`` lacks it), or ``root`` as it is."""
+    return cifar_root(root, n) if dataset == "CIFAR10" else contextlib.nullcontext(root)
+
+
 def _endless(loader) -> Iterator:
     """The loader's batches, epoch after epoch (a new permutation each epoch)."""
     epoch = 0
@@ -119,7 +129,7 @@ def measure_input_pipeline(kind: str, *, root: Optional[Path] = None, img_size: 
                            batch_size: int = 64, num_workers: int = 0,
                            device: Optional[torch.device] = None, n: int = 2048,
                            warmup: int = 2, max_batches: Optional[int] = None,
-                           channels_last: bool = False) -> float:
+                           channels_last: bool = False, dataset: str = "CIFAR10") -> float:
     """Images per second that the ``kind`` input path delivers to ``device``.
 
     ``root``: a folder with CIFAR-10; without one, ``n`` generated images are used.
@@ -131,9 +141,9 @@ def measure_input_pipeline(kind: str, *, root: Optional[Path] = None, img_size: 
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     info = DistInfo(device=device)
-    with cifar_root(root, n) as data_root:
+    with _data_root(dataset, root, n) as data_root:
         loader = _pipeline(kind, data_root, img_size, batch_size, num_workers, info,
-                           channels_last)
+                           channels_last, dataset)
         batches = _endless(loader)
         with _ctrl_c_between_batches() as ctrl_c:
             try:
@@ -160,16 +170,18 @@ def measure_input_pipeline(kind: str, *, root: Optional[Path] = None, img_size: 
 def measure_pipelines(kinds: Sequence[str], root: Optional[Path], img_size: int,
                       batch_size: int, num_workers: int, device: torch.device, *,
                       warmup: int = 2, batches: int = 10, repeat: int = 1,
-                      channels_last: bool = False) -> List[PipelineResult]:
+                      channels_last: bool = False, dataset: str = "CIFAR10"
+                      ) -> List[PipelineResult]:
     """The best images/s of ``repeat`` interleaved measurements of each path in ``kinds``,
-    on the same data (CIFAR-10 under ``root``, else generated images in its format).
-    A path that fails is reported (``status="failed"``) and the others still run."""
+    on the same data (``dataset`` under ``root``; CIFAR-10 missing there: generated images
+    in its format). A path that fails is reported (``status="failed"``) and the others
+    still run."""
     n = max(batch_size * (warmup + batches + 1), 256)  # no epoch boundary inside the clock
-    dataset = "CIFAR10" if has_cifar10(root) else f"CIFAR10 (generated, {n})"
-    results = [PipelineResult(path=k, dataset=dataset, img_size=img_size, batch_size=batch_size,
+    shown = dataset if dataset != "CIFAR10" or has_cifar10(root) else f"CIFAR10 (generated, {n})"
+    results = [PipelineResult(path=k, dataset=shown, img_size=img_size, batch_size=batch_size,
                               num_workers=num_workers if k == "classic" else 0,
                               device=device.type, batches=batches) for k in kinds]
-    with cifar_root(root, n) as data_root:
+    with _data_root(dataset, root, n) as data_root:
         for _ in range(repeat):
             for res in results:
                 if res.status != "ok":
@@ -178,7 +190,7 @@ def measure_pipelines(kinds: Sequence[str], root: Optional[Path], img_size: int,
                     rate = measure_input_pipeline(
                         res.path, root=data_root, img_size=img_size, batch_size=batch_size,
                         num_workers=res.num_workers, device=device, n=n, warmup=warmup,
-                        max_batches=batches, channels_last=channels_last)
+                        max_batches=batches, channels_last=channels_last, dataset=dataset)
                     res.images_per_s = max(res.images_per_s or 0.0, rate)
                 except (RuntimeError, ValueError, OSError) as e:
                     res.status, res.images_per_s = "failed", None

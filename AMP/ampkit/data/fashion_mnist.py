@@ -94,7 +94,8 @@ def load_split(root: Path, train: bool, download: bool) -> Tuple[torch.Tensor, t
         try:
             torchvision.datasets.FashionMNIST(str(root), train=train, download=True)
         except Exception as e:  # URLError, socket errors, a failed md5: one line
-            reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            # torchvision's error spans lines: the file, the mirrors tried, what each said.
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
             raise UserError(f"Fashion-MNIST is not in {root} and could not be downloaded "
                             f"({reason}). Without a network: {OFFLINE}") from None
         folder = idx_folder(root)
