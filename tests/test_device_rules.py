@@ -115,7 +115,7 @@ def test_an_epoch_and_its_evaluation_keep_cudas_rules(script, dataset, group, im
     import torch.distributed as dist
 
     from ampkit.data import build_loaders
-    from ampkit.data.datasets import one_process_sampler
+    from ampkit.data.order import one_process_sampler
     from ampkit.distributed import Ballots, this_process
     from ampkit.stop import voting
     from ampkit.engine import count_correct, train_one_epoch

@@ -1,4 +1,4 @@
-"""Fashion-MNIST (ampkit.data.fashion_mnist), on small idx files written here: read as
+"""Fashion-MNIST (ampkit.data.datasets), on small idx files written here: read as
 torchvision reads them, from either layout, the same pixels on both input paths, normalised
 by its own statistics; every malformed file one line naming it; --train_subset's balanced
 subset; the train and eval scripts on it, the eval count exact at any world size."""
@@ -15,8 +15,9 @@ from conftest import parse_accuracy, quick_flags, run_main, run_script
 from helpers.fashion_files import NAMES, fashion_arrays, idx_bytes, write_fashion_mnist
 
 from ampkit.data import build_loaders
-from ampkit.data import fashion_mnist
-from ampkit.data.datasets import balanced_subset, build_datasets
+from ampkit.data import datasets
+from ampkit.data.datasets import build_datasets, load_fashion_mnist
+from ampkit.data.order import balanced_subset
 from ampkit.data.on_device import fast_loaders
 from ampkit.distributed import DistInfo
 from ampkit.errors import UserError
@@ -35,7 +36,7 @@ def test_reads_what_torchvision_reads_in_either_layout(tmp_path, fashion_root):
     for train in (True, False):
         theirs = torchvision.datasets.FashionMNIST(str(tv_root), train=train)
         for root in (tv_root, fashion_root):
-            images, labels = fashion_mnist.load_split(root, train, download=False)
+            images, labels = load_fashion_mnist(root, train, download=False)
             assert torch.equal(images, theirs.data) and torch.equal(labels, theirs.targets)
 
 
@@ -48,12 +49,12 @@ def test_both_paths_give_the_same_pixels_normalised_by_its_own_statistics(fashio
     assert num_classes == 10 and val.dataset_size == N_TEST
     assert fast_images.shape == (8, 3, 64, 64)
     assert torch.equal(fast_labels, torch.tensor([y for _, y in pairs]))
-    one_step = 1 / (255 * fashion_mnist.STD[0])
+    one_step = 1 / (255 * datasets.FASHION_STD[0])
     assert (fast_images - classic_images).abs().max() <= 1.01 * one_step
     # Three equal channels, and the pixels' own normalisation (ImageNet's would not be equal).
     assert torch.equal(classic_images[:, 0], classic_images[:, 2])
-    raw = fashion_mnist.load_split(fashion_root, False, download=False)[0][:8].float() / 255
-    expected = ((raw - fashion_mnist.MEAN[0]) / fashion_mnist.STD[0]).mean()
+    raw = load_fashion_mnist(fashion_root, False, download=False)[0][:8].float() / 255
+    expected = ((raw - datasets.FASHION_MEAN[0]) / datasets.FASHION_STD[0]).mean()
     assert abs(classic_images.mean() - expected) < 0.01 and abs(fast_images.mean() - expected) < 0.01
 
 
@@ -85,17 +86,17 @@ def test_a_malformed_file_is_one_line_naming_it(tmp_path, case):
     name, data, words = BAD[case]
     root = _bad(tmp_path, name, data)
     with pytest.raises(UserError, match=words) as e:
-        fashion_mnist.load_split(root, True, download=False)
+        load_fashion_mnist(root, True, download=False)
     assert str(root) in str(e.value) and "\n" not in str(e.value)
 
 
 def test_not_gzip_and_an_incomplete_folder_are_one_line(tmp_path):
     root = _bad(tmp_path, NAMES["test"][0], raw=b"not gzip at all")
     with pytest.raises(UserError, match=f"{NAMES['test'][0]}.gz: cannot be read as gzip"):
-        fashion_mnist.load_split(root, False, download=False)
+        load_fashion_mnist(root, False, download=False)
     (root / f"{NAMES['test'][1]}.gz").unlink()
     with pytest.raises(UserError, match=f"incomplete: {NAMES['test'][1]} missing"):
-        fashion_mnist.load_split(root, True, download=False)
+        load_fashion_mnist(root, True, download=False)
 
 
 def test_no_network_is_one_line_naming_the_offline_way(tmp_path, monkeypatch):
@@ -104,11 +105,11 @@ def test_no_network_is_one_line_naming_the_offline_way(tmp_path, monkeypatch):
     monkeypatch.setattr(torchvision.datasets.FashionMNIST, "download", no_network)
     with pytest.raises(UserError, match="could not be downloaded .*apt install "
                                         "dataset-fashion-mnist"):
-        fashion_mnist.load_split(tmp_path, True, download=True)
+        load_fashion_mnist(tmp_path, True, download=True)
 
 
 def test_the_subset_is_balanced_seed_free_and_the_same_on_both_paths(fashion_root):
-    labels = fashion_mnist.load_split(fashion_root, True, download=False)[1]
+    labels = load_fashion_mnist(fashion_root, True, download=False)[1]
     chosen = balanced_subset(labels, 25, 10)
     assert torch.bincount(labels[chosen], minlength=10).tolist() == [3] * 5 + [2] * 5
     assert chosen == balanced_subset(labels, 25, 10) == sorted(chosen)

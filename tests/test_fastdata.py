@@ -25,7 +25,7 @@ from ampkit.distributed import DistInfo
 from ampkit.errors import UserError
 from ampkit.data.classic import eval_loader, train_loader
 from ampkit.data.datasets import STD, build_datasets, build_transform
-from ampkit.data.datasets import one_process_sampler
+from ampkit.data.order import one_process_sampler
 from ampkit.data import build_loaders
 from ampkit.data.on_device import DeviceLoader, fast_loaders, load_uint8
 from tools.cifar_files import write_cifar10

@@ -27,8 +27,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from ampkit.data.classic import train_loader
-from ampkit.data.datasets import CIFAR10, build_datasets
-from ampkit.data.fashion_mnist import FashionMNIST
+from ampkit.data.datasets import CIFAR10, FashionMNIST, build_datasets
 from ampkit.data.on_device import fast_loaders
 from ampkit.device import synchronize
 from ampkit.distributed import DistInfo

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Sized, Tuple
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Sampler, Subset
 
 from ..distributed import DistInfo
 from ..errors import UserError
 from .classic import CheckedLoader, default_workers, eval_loader, train_loader
-from .datasets import NUM_CLASSES, Unreadable, build_datasets, one_process_sampler
+from .datasets import NUM_CLASSES, Unreadable, build_datasets
+from .order import balanced_subset, labels_of, one_process_sampler
 from .on_device import fast_loaders
 
 
@@ -89,8 +90,10 @@ def build_loaders(name: str, root: Path, img_size: int, batch_size: int, info: D
         make_train = train_set.loader if train else None
         val_size = val_dl.dataset_size
     else:
-        data = build_datasets(name, root, img_size, download=info.is_local_main, train=train,
-                              train_subset=train_subset)
+        data = build_datasets(name, root, img_size, download=info.is_local_main, train=train)
+        if train and train_subset is not None:
+            data.train = Subset(data.train, balanced_subset(labels_of(data.train), train_subset,
+                                                            data.num_classes))
         workers = default_workers(num_workers, info.device)
         train_set, num_classes, val_size = data.train, data.num_classes, len(data.val)
         val_dl = eval_loader(data.val, info, batch_size=batch_size, num_workers=workers,

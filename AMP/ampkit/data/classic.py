@@ -23,7 +23,7 @@ from ..distributed import DistInfo
 from ..errors import UserError
 from ..stop import SIGNALS
 from .datasets import BadImage, Unreadable
-from .datasets import IndexSampler, ResumableSampler, one_process_sampler
+from .order import IndexSampler, ResumableSampler, one_process_sampler
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:

@@ -1,40 +1,35 @@
 """The data sets both input paths read: CIFAR-10 (torchvision's, checked), Fashion-MNIST
-(:mod:`.fashion_mnist`), ImageFolder (``<root>/train/<class>/*``, ``<root>/val/<class>/*``)
+(its idx files, checked), ImageFolder (``<root>/train/<class>/*``, ``<root>/val/<class>/*``)
 and FakeData, and what their images go through (resized, normalised with ImageNet's
-statistics, or a grey data set's own); ``--train_subset``'s balanced subset.
+statistics, or a grey data set's own).
 
 CIFAR-10 is downloaded into ``--dataset_root`` by one process per node (no network: the error
 says where to put the archive), checked against its md5 and member by member before anything
 is extracted, its labels checked to be classes; a broken extracted file is named, and
 extracted again from the archive when it lies beside it. An unreadable image of an
 ImageFolder becomes an :class:`Unreadable` sample, which the loaders report or pass over.
-
-The order both input paths read them in: training takes a seeded permutation per epoch from
-a ``DistributedSampler`` (:class:`ResumableSampler`: a resumed epoch skips what it saw, and
-each sample's flip is drawn from the seed, the epoch and the rank alone); validation gives
-each rank every world_size-th sample, unpadded (:class:`IndexSampler`)."""
+The order they are read in: :mod:`.order`."""
 from __future__ import annotations
 
-import itertools
+import gzip
 import numbers
 import os
 import pickle
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torchvision
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import Dataset
 from torchvision import transforms
 from torchvision.datasets.utils import calculate_md5, download_url
 
 from ..errors import RankError, UserError
-from ..randomness import derived_seed
-from . import fashion_mnist
 
 
 CIFAR_CLASSES = 10  # its labels: 0..9
@@ -181,7 +176,109 @@ def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
                     "again")
 
 
-def check_cifar_root(root: Path) -> None:
+# Fashion-MNIST's idx files, with more checks than torchvision's reader asserts, from a
+# folder holding them (Debian's dataset-fashion-mnist, gzipped) or torchvision's layout.
+FASHION_CLASSES = 10
+IMAGES_MAGIC, LABELS_MAGIC = 0x0803, 0x0801  # idx: 0x08 (unsigned bytes), then the dims
+# Over the 60,000 training images, pixels scaled to 0..1.
+FASHION_MEAN, FASHION_STD = (0.2860,) * 3, (0.3530,) * 3
+FASHION_OFFLINE = ("apt install dataset-fashion-mnist, then --dataset_root "
+                   "/usr/share/datasets/fashion-mnist")
+
+
+def _fashion_names(train: bool) -> Tuple[str, str]:
+    split = "train" if train else "t10k"
+    return f"{split}-images-idx3-ubyte", f"{split}-labels-idx1-ubyte"
+
+
+def _fashion_file(folder: Path, name: str) -> Optional[Path]:
+    return next((p for p in (folder / name, folder / f"{name}.gz") if p.is_file()), None)
+
+
+def fashion_folder(root: Path) -> Optional[Path]:
+    """``root`` or torchvision's ``root/FashionMNIST/raw``: the first to hold the idx files;
+    None if neither holds any. One with only some of the four is refused."""
+    every = _fashion_names(True) + _fashion_names(False)
+    for folder in (root, root / "FashionMNIST" / "raw"):
+        missing = [n for n in every if not _fashion_file(folder, n)]
+        if missing and len(missing) < len(every):
+            raise UserError(f"{folder}: Fashion-MNIST's idx files are incomplete: "
+                            f"{', '.join(missing)} missing (.gz or not). Put all four there, "
+                            f"or: {FASHION_OFFLINE}")
+        if not missing:
+            return folder
+    return None
+
+
+def read_idx(path: Path, magic: int) -> torch.Tensor:
+    """An idx file of unsigned bytes with the given magic number, as a uint8 tensor of its
+    dimensions; a UserError naming the file if it is not one, or is cut short or too long."""
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as e:
+        kind = "gzip" if path.suffix == ".gz" else "an idx file"
+        raise UserError(f"{path}: cannot be read as {kind} ({e or type(e).__name__})") from None
+    found = int.from_bytes(data[:4], "big")
+    if found != magic:
+        kind = "images" if magic == IMAGES_MAGIC else "labels"
+        raise UserError(f"{path}: not an idx file of {kind} (magic number 0x{found:08x}, "
+                        f"expected 0x{magic:08x})")
+    header = 4 * (1 + (magic & 0xFF))
+    shape = [int.from_bytes(data[i:i + 4], "big") for i in range(4, header, 4)]
+    expected = header + torch.Size(shape).numel()
+    if len(data) != expected:
+        raise UserError(f"{path}: {'truncated' if len(data) < expected else 'too long'}: "
+                        f"{len(data)} bytes where its header {tuple(shape)} needs {expected}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=header).view(*shape)
+
+
+def load_fashion_mnist(root: Path, train: bool,
+                       download: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A split as (images uint8 [N, 28, 28], labels int64 [N]), from ``root`` or, where it
+    holds no idx file and ``download``, downloaded by torchvision into its own layout there."""
+    root = Path(root)
+    check_root(root)
+    folder = fashion_folder(root) if root.is_dir() else None
+    if folder is None and download:
+        try:
+            torchvision.datasets.FashionMNIST(str(root), train=train, download=True)
+        except Exception as e:  # URLError, socket errors, a failed md5: one line
+            # torchvision's error spans lines: the file, the mirrors tried, what each said.
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            raise UserError(f"Fashion-MNIST is not in {root} and could not be downloaded "
+                            f"({reason}). Without a network: {FASHION_OFFLINE}") from None
+        folder = fashion_folder(root)
+    if folder is None:
+        raise UserError(f"Fashion-MNIST is not in {root} (no idx file there or in "
+                        f"{root / 'FashionMNIST' / 'raw'}). Without a network: {FASHION_OFFLINE}")
+    image_file, label_file = (_fashion_file(folder, n) for n in _fashion_names(train))
+    images, labels = read_idx(image_file, IMAGES_MAGIC), read_idx(label_file, LABELS_MAGIC)
+    if len(images) != len(labels):
+        raise UserError(f"{folder}: {image_file.name} holds {len(images)} images but "
+                        f"{label_file.name} {len(labels)} labels")
+    bad = (labels >= FASHION_CLASSES).nonzero()
+    if len(bad):
+        raise UserError(f"{label_file}: label {int(labels[bad[0]])} of image {int(bad[0])} is "
+                        f"not a class index 0..{FASHION_CLASSES - 1}")
+    return images, labels.long()
+
+
+class FashionMNIST(torchvision.datasets.FashionMNIST):
+    """torchvision's FashionMNIST (PIL images, "L" mode) over what load_fashion_mnist checked."""
+
+    def __init__(self, root: Path, train: bool, transform, download: bool) -> None:
+        self.checked = load_fashion_mnist(root, train, download)
+        super().__init__(str(root), train=train, transform=transform)
+
+    def _check_exists(self) -> bool:
+        return True  # load_fashion_mnist found and checked the files
+
+    def _load_data(self):
+        return self.checked
+
+
+def check_root(root: Path) -> None:
     if root.exists() and not root.is_dir():
         raise UserError(f"--dataset_root {root} is a file, not a folder")
 
@@ -192,12 +289,12 @@ STD = (0.229, 0.224, 0.225)
 FAKE_TRAIN_SIZE, FAKE_VAL_SIZE = 1000, 200
 # The data sets of a known number of classes (ImageFolder: its number of class folders),
 # which the fast input path holds whole on the device.
-NUM_CLASSES = {"CIFAR10": CIFAR_CLASSES, "FashionMNIST": fashion_mnist.CLASSES, "FakeData": 10}
+NUM_CLASSES = {"CIFAR10": CIFAR_CLASSES, "FashionMNIST": FASHION_CLASSES, "FakeData": 10}
 
 
 def normalization(name: str) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
     """(mean, std) per channel: a grey data set's own, ImageNet's for the colour ones."""
-    return (fashion_mnist.MEAN, fashion_mnist.STD) if name == "FashionMNIST" else (MEAN, STD)
+    return (FASHION_MEAN, FASHION_STD) if name == "FashionMNIST" else (MEAN, STD)
 
 
 def build_transform(img_size: int, name: str = "CIFAR10") -> transforms.Compose:
@@ -207,31 +304,6 @@ def build_transform(img_size: int, name: str = "CIFAR10") -> transforms.Compose:
     grey = [transforms.Grayscale(num_output_channels=3)] if name == "FashionMNIST" else []
     return transforms.Compose([transforms.Resize((img_size, img_size), antialias=True), *grey,
                                transforms.ToTensor(), transforms.Normalize(*normalization(name))])
-
-
-def balanced_subset(labels: Sequence[int], size: int, num_classes: int) -> List[int]:
-    """``--train_subset``: ``size`` indices, as many of each class as can be (the first
-    classes take the remainder), drawn by a fixed seed: the same subset for every --seed,
-    variant and input path. Sorted, so the sampler's shuffle is the only order."""
-    labels = torch.as_tensor(labels)
-    if not num_classes <= size <= len(labels):
-        raise UserError(f"--train_subset {size}: the training set has {len(labels)} images in "
-                        f"{num_classes} classes; take {num_classes} to {len(labels)}")
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    chosen = []
-    for c in range(num_classes):
-        quota = size // num_classes + (c < size % num_classes)
-        members = order[labels[order] == c][:quota]
-        if len(members) < quota:
-            raise UserError(f"--train_subset {size}: class {c} has {len(members)} training "
-                            f"images, fewer than its {quota}; take a smaller subset")
-        chosen.append(members)
-    return torch.cat(chosen).sort().values.tolist()
-
-
-def _labels(dataset: Dataset) -> Sequence[int]:
-    targets = getattr(dataset, "targets", None)
-    return targets if targets is not None else [dataset[i][1] for i in range(len(dataset))]
 
 
 class BadImage(RankError):
@@ -293,27 +365,19 @@ class Datasets:
 
 
 def build_datasets(name: str, root: Path, img_size: int, download: bool,
-                   train: bool = True, train_subset: Optional[int] = None) -> Datasets:
-    """The training split (unless ``train=False``; ``train_subset`` images of it, balanced)
-    and the validation/test split; CIFAR-10 and Fashion-MNIST downloaded if they are not
-    there and ``download`` (one process per node: the caller runs it first,
-    ``distributed.local_main_first``)."""
-    data = _datasets(name, Path(root), img_size, download, train)
-    if train and train_subset is not None:
-        indices = balanced_subset(_labels(data.train), train_subset, data.num_classes)
-        data.train = Subset(data.train, indices)
-    return data
-
-
-def _datasets(name: str, root: Path, img_size: int, download: bool, train: bool) -> Datasets:
+                   train: bool = True) -> Datasets:
+    """The training split (unless ``train=False``) and the validation/test split; CIFAR-10
+    and Fashion-MNIST downloaded if they are not there and ``download`` (one process per
+    node: the caller runs it first, ``distributed.local_main_first``)."""
+    root = Path(root)
     train_tf = val_tf = build_transform(img_size, name)
     if name == "FashionMNIST":
-        train_set = (fashion_mnist.FashionMNIST(root, True, train_tf, download)
+        train_set = (FashionMNIST(root, True, train_tf, download)
                      if train else None)
-        val_set = fashion_mnist.FashionMNIST(root, False, val_tf, download)
+        val_set = FashionMNIST(root, False, val_tf, download)
         return Datasets(train_set, val_set, NUM_CLASSES[name])
     if name == "CIFAR10":
-        check_cifar_root(root)
+        check_root(root)
         train_set = cifar10(root, True, train_tf, download=download) if train else None
         val_set = cifar10(root, False, val_tf, download=download and not train)
         return Datasets(train_set, val_set, NUM_CLASSES[name])
@@ -334,73 +398,3 @@ def _datasets(name: str, root: Path, img_size: int, download: bool, train: bool)
         val_set = fake(FAKE_VAL_SIZE, size, 10, val_tf, random_offset=FAKE_TRAIN_SIZE)
         return Datasets(train_set, val_set, NUM_CLASSES[name])
     raise UserError(f"unknown --dataset {name!r}")
-
-
-class ResumableSampler(Sampler[int]):
-    """A training sampler (the script's ``DistributedSampler``) that can start an epoch at a
-    sample of its own: ``start_index``, taken by the next iteration alone (a DataLoader
-    iterates its sampler itself), so that a run resumed mid-epoch skips what it trained on
-    before it stopped (all of it, after a stop in the epoch's last step). The epoch is the
-    sampler's own (``set_epoch`` is the script's, or the trainer's for a one-process
-    script).
-
-    It also draws each sample's horizontal flip, from (seed, epoch, rank) alone: the same
-    flips on both input paths, in a resumed epoch as in the interrupted one, and none of
-    the random stream that dropout draws from. ``pairs``: it yields ``(index, flip)`` (the
-    classic path's :class:`.classic.NextReadable` takes them); else the indices, and the fast
-    path takes :meth:`flips`."""
-
-    def __init__(self, sampler: Sampler[int], pairs: bool = False) -> None:
-        self.sampler, self.pairs = sampler, pairs
-        self.start_index = 0
-        self.seed, self.rank = getattr(sampler, "seed", 0), getattr(sampler, "rank", 0)
-
-    @property
-    def epoch(self) -> int:
-        return getattr(self.sampler, "epoch", 0)
-
-    @property
-    def num_samples(self) -> int:
-        """This rank's samples in a whole epoch."""
-        return len(self.sampler)
-
-    def flips(self, start: int = 0) -> torch.Tensor:
-        """Whether each sample of this epoch from ``start`` on is mirrored (bool, on the
-        host)."""
-        gen = torch.Generator().manual_seed(derived_seed(self.seed, 0, self.epoch, self.rank))
-        return (torch.rand(self.num_samples, generator=gen) < 0.5)[start:]
-
-    def __iter__(self) -> Iterator:
-        start, self.start_index = self.start_index, 0  # a resumed epoch's start, taken once
-        indices = itertools.islice(iter(self.sampler), start, None)
-        return zip(indices, self.flips(start).tolist()) if self.pairs else indices
-
-    def __len__(self) -> int:
-        return max(0, self.num_samples - self.start_index)
-
-
-def one_process_sampler(size: int, seed: int) -> DistributedSampler:
-    """The training order of a script that runs in one process: ``DistributedSampler``'s for
-    one replica, so every variant shuffles the same way for the same seed and epoch. (Under
-    torchrun with several processes a one-process script is refused at its flags: each
-    process would train on all of the data.)"""
-    return DistributedSampler(range(size), num_replicas=1, rank=0, shuffle=True, seed=seed)
-
-
-class IndexSampler(Sampler[int]):
-    """The given indices, in order. ``indices`` may be replaced between epochs (an eval
-    script choosing its shard); validation starts with this rank's shard."""
-
-    def __init__(self, indices: Sequence[int]) -> None:
-        self.indices = indices
-
-    @classmethod
-    def shard(cls, size: int, rank: int, world_size: int) -> "IndexSampler":
-        """Every world_size-th index from ``rank``: disjoint shards covering each sample once."""
-        return cls(range(rank, size, world_size))
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)

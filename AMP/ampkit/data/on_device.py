@@ -29,10 +29,9 @@ from torch.utils.data import Sampler, TensorDataset
 from ..device import pinned
 from ..distributed import DistInfo
 from ..errors import UserError
-from . import fashion_mnist
-from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, NUM_CLASSES, balanced_subset,
-                       check_cifar_root, cifar10, normalization)
-from .datasets import IndexSampler, ResumableSampler, one_process_sampler
+from .datasets import (FAKE_TRAIN_SIZE, FAKE_VAL_SIZE, NUM_CLASSES, check_root, cifar10,
+                       load_fashion_mnist, normalization)
+from .order import IndexSampler, ResumableSampler, balanced_subset, one_process_sampler
 
 
 def _fake_uint8(train: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +49,7 @@ def load_uint8(name: str, root: Path, info: DistInfo, train: bool) -> Tuple[torc
     """A whole split as (images uint8 [N, 3, H, W] contiguous, labels int64 [N]) on the CPU."""
     if name == "CIFAR10":
         root = Path(root)
-        check_cifar_root(root)
+        check_root(root)
         # Only local rank 0 downloads; the caller runs it first (local_main_first).
         ds = cifar10(root, train, None, download=info.is_local_main)
         # ds.data is an N,H,W,C view of the N,C,H,W array read from the batch files:
@@ -58,7 +57,7 @@ def load_uint8(name: str, root: Path, info: DistInfo, train: bool) -> Tuple[torc
         images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
         return images, torch.tensor(ds.targets, dtype=torch.int64)
     if name == "FashionMNIST":
-        images, labels = fashion_mnist.load_split(root, train, download=info.is_local_main)
+        images, labels = load_fashion_mnist(root, train, download=info.is_local_main)
         return images.unsqueeze(1).expand(-1, 3, -1, -1).contiguous(), labels
     if name == "FakeData":
         return _fake_uint8(train)
