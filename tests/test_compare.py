@@ -613,6 +613,20 @@ def test_a_labelled_variant_inherits_its_scripts_flags(tmp_path, monkeypatch, ca
     assert "--amp_dtype" not in without and "bfloat16" in plain_run
 
 
+def test_the_training_subset_reaches_training_and_the_figure_not_the_eval(tmp_path, monkeypatch,
+                                                                          capsys):
+    """--train_subset is a train script's flag: the eval script, which has no such flag,
+    tests on the whole test set; the results and their figure name the subset."""
+    import compare
+
+    commands = _fake_children(monkeypatch, {("train_without", 0): 0.5})
+    assert compare.main(["--variants", "train_without", "--train_subset", "600", "--no-cuda",
+                         "--no-tensorboard", "--out", str(tmp_path)]) == 0
+    train, evaluate = commands
+    assert train[train.index("--train_subset") + 1] == "600" and "--train_subset" not in evaluate
+    assert "600 training images" in next(tmp_path.rglob("results.md")).read_text()
+
+
 @pytest.mark.parametrize("variants, extra, says", [
     ("train_DDP+bf16comm", [], "no --extra_args 'train_DDP+bf16comm=FLAGS'"),
     ("train_DDP+a/b", ["--extra_args", "train_DDP+a/b=--comm_hook bf16"], "a label of letters"),

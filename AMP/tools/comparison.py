@@ -94,8 +94,6 @@ class Comparison:
             cmd += ["--arch", a.arch]
         if a.num_workers is not None:
             cmd += ["--num_workers", str(a.num_workers)]
-        if a.train_subset is not None:
-            cmd += ["--train_subset", str(a.train_subset)]
         return cmd
 
     def under(self, root: Path, seed: int) -> Path:
@@ -118,6 +116,7 @@ class Comparison:
         parallel, precision = TRAIN_VARIANTS[script_of(variant)]
         cmd = self._launcher(parallel, script_of(variant)) + self._common() + [
             "--epochs", str(a.epochs), "--lr", repr(a.lr), "--seed", str(seed),
+            *(["--train_subset", str(a.train_subset)] if a.train_subset is not None else []),
             "--checkpoint", str(self.run_dir(variant, seed).parent)]
         if a.amp_dtype is not None and precision != "fp32":  # the fp32 scripts refuse it
             cmd += ["--amp_dtype", a.amp_dtype]
