@@ -32,6 +32,10 @@ def _preamble(comp: Comparison, machine: str) -> List[str]:
     ]
 
 
+def arch_name(arch: str) -> str:
+    return "AlexNet" if arch == "alexnet" else arch
+
+
 def subset_words(train_subset) -> str:
     return "" if train_subset is None else f", {train_subset} training images"
 
@@ -62,7 +66,8 @@ def write_results(comp: Comparison, results: List[VariantResult], plot: bool = T
                f"Over {a.seeds} seeds:\n\n{stats.seed_table(summaries)}\n\n{stats.RULE}\n\n"
                "Every run:\n")
     report.write_csv(results, comp.dir / "results.csv")
-    text = report.write_markdown(results, comp.dir / "results.md", title="AlexNet AMP comparison",
+    text = report.write_markdown(results, comp.dir / "results.md",
+                                 title=f"{arch_name(a.arch)} AMP comparison",
                                  preamble=_preamble(comp, machine), notes=NOTES, summary=summary,
                                  show_seed=summaries is not None)
     if not plot:
@@ -79,7 +84,8 @@ def write_results(comp: Comparison, results: List[VariantResult], plot: bool = T
     try:
         figure = plot_results(
             bars, comp.dir / "results.png", curves={str(k): v for k, v in curves.items()},
-            bands=bands, title=f"{a.dataset}{subset_words(a.train_subset)} {a.img_size}px, "
+            bands=bands, title=f"{arch_name(a.arch)}, {a.dataset}{subset_words(a.train_subset)} "
+                               f"{a.img_size}px, "
                                f"{a.epochs} epochs, {machine}")
     except Exception as e:  # a plot must not cost the user the table
         print(f"compare.py: warning: results.png not written ({e})", file=sys.stderr)
