@@ -76,7 +76,8 @@ train_DDP,train_DDP_GradScaler,train_FSDP,train_FSDP_GradScaler --json "$WORK/be
 keep "$WORK/bench_fp16.txt" 16
 # Where a step's time goes, at the scripts' own batch: the share of the wall time the GPU
 # ran kernels (the rest it waited for the host), eager, compiled, and replayed as CUDA
-# graphs (one device: DataParallel, DDP and FSDP2 refuse them in one line). A dry run on
+# graphs (one device and one micro-batch per step: DataParallel, DDP, FSDP2 and
+# --accum_steps 2 or more refuse them in one line, so no step here asks for them). A dry run on
 # the CPU has no kernels to see (busy "-") and no CUDA graphs to replay.
 BB="python3 AMP/benchmark.py $DEV --img_size $IMG --batch_size $BUSY_BS $STEPS --pipeline none --busy"
 run busy_eager 45 $BB $PEAK --variants train_autocast,train_GradScaler --json "$WORK/busy_eager.json"

@@ -234,6 +234,33 @@ def test_a_device_without_allocator_statistics_has_no_peak(answer, peak, monkeyp
     assert peak_memory_mb(torch.device("xpu", 0)) == peak
 
 
+@pytest.mark.parametrize("variant", ["train_without", "train_autocast", "train_GradScaler"])
+def test_cuda_graphs_with_accumulation_are_refused_at_the_flags(variant, monkeypatch):
+    """--compile reduce-overhead with --accum_steps 2: refused when the flags are read, on a
+    pretended CUDA machine too (the crash it avoids is CUDA's, in the first optimizer step);
+    one micro-batch per step stays accepted."""
+    from ampkit.flags import parse_train_args
+
+    pretend_machine(monkeypatch, "cuda", 1)
+    with pytest.raises(UserError, match="takes one micro-batch per optimizer step"):
+        parse_train_args(variant, ["--cuda", "--compile", "reduce-overhead", "--accum_steps", "2"])
+    assert parse_train_args(variant, ["--cuda", "--compile", "reduce-overhead"]).accum_steps == 1
+    assert parse_train_args(variant, ["--compile", "--accum_steps", "2"]).compile == "default"
+
+
+def test_benchmark_refuses_cuda_graphs_with_accumulation_in_one_line(capsys):
+    from tools.bench_flags import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--cuda", "--variants", "train_autocast", "--compile", "reduce-overhead",
+                    "--accum_steps", "2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "takes one micro-batch per optimizer step" in err
+    assert parse_args(["--cuda", "--variants", "train_autocast", "--compile",
+                       "reduce-overhead"]).accum_steps == 1
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--tf32"], "--tf32 chooses CUDA's fp32 math"),
     (["--no-tf32"], "--no-tf32 chooses CUDA's fp32 math"),

@@ -9,7 +9,8 @@ from typing import List, Optional
 
 from ampkit.distributed import HOOKS
 from ampkit.errors import UserError
-from ampkit.flags import AMP_DTYPES, COMPILE_MODES, DATA_DIR, Parser, add_device_flags
+from ampkit.flags import (AMP_DTYPES, COMPILE_MODES, CUDA_GRAPHS_ACCUM, DATA_DIR, Parser,
+                          add_device_flags)
 from ampkit.models import check_arch_flags
 
 from .variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
@@ -54,7 +55,7 @@ def build_parser() -> Parser:
                    metavar="MODE",
                    help="torch.compile the model (not the DataParallel variants), as in "
                         "training; reduce-overhead: replayed as CUDA graphs (one device, on "
-                        "CUDA). Compilation happens in the warm-up steps")
+                        "CUDA, --accum_steps 1). Compilation happens in the warm-up steps")
     p.add_argument("--busy", action="store_true",
                    help="on CUDA: after the timing, 10 more steps under torch.profiler, and the "
                         "share of their wall time the GPU ran kernels (the rest it waited for "
@@ -138,6 +139,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                  "accum_steps"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag} must be a positive integer")
+    if args.compile == "reduce-overhead" and args.accum_steps > 1:
+        p.error(CUDA_GRAPHS_ACCUM)
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     try:
