@@ -7,6 +7,8 @@ and the code's decisions on it are checked; no kernel runs on a pretended device
 device's kernels take is checked on the CPU by its rules: test_device_rules.py."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -207,22 +209,47 @@ def test_dataparallel_wraps_the_model_on_cuda(monkeypatch):
     assert len(made) == 2
 
 
-def test_bfloat16_is_refused_where_the_gpu_only_emulates_it(monkeypatch):
-    """A V100 or T4 runs bfloat16 emulated, slower than float32; ``is_bf16_supported()``
-    says yes unless asked without emulation."""
+# A node of mixed GPUs: a V100 (bfloat16 emulated only, slower than float32) as device 0,
+# an A100 as device 1.
+MIXED_NODE = {"cuda": [SimpleNamespace(name="Tesla V100-SXM2-16GB", major=7),
+                       SimpleNamespace(name="NVIDIA A100-SXM4-80GB", major=8)],
+              "xpu": [SimpleNamespace(name="Intel(R) Iris(R) Xe Graphics",
+                                      has_bfloat16_conversions=False),
+                      SimpleNamespace(name="Intel(R) Data Center GPU Max 1550",
+                                      has_bfloat16_conversions=True)]}
+
+
+def pretend_mixed_node(monkeypatch, kind: str) -> None:
+    """MIXED_NODE's GPUs of ``kind``, device 0 current (as in a process of a group before it
+    sets its own); torch's ``is_bf16_supported`` answers, as torch's does, for the current
+    device."""
+    pretend_machine(monkeypatch, kind, 2)
+    gpus, module = MIXED_NODE[kind], getattr(torch, kind)
+    props = lambda device=None: gpus[getattr(device, "index", device) or 0]
+    native = (lambda p: p.major >= 8) if kind == "cuda" else (
+        lambda p: p.has_bfloat16_conversions)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(module, "current_device", lambda: 0)
+    monkeypatch.setattr(module, "get_device_properties", props)
+    monkeypatch.setattr(module, "get_device_name", lambda device=None: props(device).name)
+    monkeypatch.setattr(module, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation or native(gpus[0]))
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_each_rank_asks_its_own_gpu_for_bfloat16(kind, monkeypatch):
+    """A process of a group decides its autocast dtype before it sets its device: on a node
+    of mixed GPUs rank 1 gets its own GPU's answer (bfloat16), not device 0's; rank 0, on
+    a GPU that only emulates bfloat16, is refused in one line naming it."""
     from ampkit.device import resolve_amp_dtype
 
-    pretend_machine(monkeypatch, "cuda", 1)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
-                        lambda including_emulation=True: including_emulation)
+    pretend_mixed_node(monkeypatch, kind)
+    assert resolve_amp_dtype("bfloat16", process_device(kind, 1)) is torch.bfloat16
     with pytest.raises(UserError) as refused:
-        resolve_amp_dtype("bfloat16", torch.device("cuda"))
-    assert str(refused.value) == ("--amp_dtype bfloat16: Tesla V100-SXM2-16GB does not support "
-                                  "bfloat16 (use --amp_dtype float16)")
-    assert resolve_amp_dtype(None, torch.device("cuda")) is torch.float16
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert resolve_amp_dtype("bfloat16", torch.device("cuda")) is torch.bfloat16  # Ampere on
+        resolve_amp_dtype("bfloat16", process_device(kind, 0))
+    assert str(refused.value) == (f"--amp_dtype bfloat16: {MIXED_NODE[kind][0].name} does not "
+                                  "support bfloat16 (use --amp_dtype float16)")
+    assert resolve_amp_dtype(None, process_device(kind, 0)) is torch.float16
 
 
 @pytest.mark.parametrize("answer, peak", [(0, None), (3 * 2**20, 3.0)])
