@@ -57,9 +57,10 @@ def build_parser() -> Parser:
                         "training; reduce-overhead: replayed as CUDA graphs (one device, on "
                         "CUDA, --accum_steps 1). Compilation happens in the warm-up steps")
     p.add_argument("--busy", action="store_true",
-                   help="on CUDA: after the timing, 10 more steps under torch.profiler, and the "
-                        "share of their wall time the GPU ran kernels (the rest it waited for "
-                        "the host)")
+                   help="on CUDA: after the timing, 10 more steps under torch.profiler "
+                        "recording CUDA activity alone (no host op, which would slow the host), "
+                        "and the share of their wall time the GPU ran kernels (the rest it "
+                        "waited for the host)")
     p.add_argument("--dp_scope", choices=("model", "features"), default="model",
                    help="DataParallel wraps the whole model or only model.features (as in training)")
     p.add_argument("--accum_steps", type=int, default=1, metavar="K",
