@@ -302,3 +302,52 @@ def test_a_flag_this_run_cannot_honour_is_one_line(flags, says, imagefolder_root
     res = run_main(script, *quick_flags(imagefolder_root, tmp_path, epochs=1), *flags)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.describe()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "xpu", "mps"])
+def test_the_help_says_the_defaults_the_code_takes(kind, monkeypatch):
+    """--amp_dtype's and --num_workers' help give the defaults that resolve_amp_dtype and the
+    classic loader's default_workers take, on each kind of device."""
+    from ampkit.data.classic import default_workers
+    from ampkit.device import resolve_amp_dtype
+    from ampkit.flags import train_parser
+
+    helps = {a.dest: " ".join(a.help.split()) for a in train_parser("train_autocast")._actions}
+    device = torch.device(kind)
+    where = "the CPU" if kind == "cpu" else "an accelerator"
+    dtype = str(resolve_amp_dtype(None, device))[len("torch."):]
+    assert f"{dtype} on {where}" in helps["amp_dtype"], helps["amp_dtype"]
+    assert f"{default_workers(None, device)} on {where}" in helps["num_workers"]
+
+
+def test_the_header_reads_the_precision_and_dataparallel_from_the_objects():
+    """The header's "MixedPrecisionPolicy" is FSDP2's policy object, "autocast" the autocast
+    object's, "DataParallel is CUDA's" a DataParallel script's without a DataParallel: not the
+    script's name, nor the absence of an autocast."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ampkit.distributed import DistInfo
+    from ampkit.engine import Technique
+    from ampkit.run import header_line
+
+    data = SimpleNamespace(name="FakeData", train_size=8, val_size=4, num_classes=2,
+                           image_shape=(3, 64, 64), batch_size=2, kind="fast")
+    info, net = DistInfo(device=torch.device("cpu")), torch.nn.Linear(2, 2)
+
+    def precision(variant, technique, amp_dtype=torch.bfloat16, **kw):
+        line = header_line(variant, technique, data, info, amp_dtype=amp_dtype, accum_steps=1,
+                           clip_grad=None, fp32_math="", **kw)
+        return line.split("precision ")[1].split(",")[0], line
+
+    plain = Technique(net, None, None)
+    policy = Technique(net, None, None, mp_policy=MixedPrecisionPolicy(torch.bfloat16))
+    autocast = Technique(net, None, None, torch.autocast("cpu", dtype=torch.bfloat16))
+    assert precision("mine", policy)[0] == "MixedPrecisionPolicy (bfloat16)"
+    assert precision("train_FSDP_mixed", plain)[0] == "fp32"
+    assert precision("mine", autocast)[0] == "autocast (bfloat16)"
+    assert precision("mine", plain, amp_dtype=None)[0] == "fp32"
+    note = "on cpu (DataParallel is CUDA's: on the cpu the model runs as it is)"
+    assert note in precision("mine", plain, None, data_parallel=True)[1]
+    assert "DataParallel" not in precision("train_DP", plain, None)[1]

@@ -71,10 +71,11 @@ def _add_common(p: argparse.ArgumentParser, *, process_group: bool, for_eval: bo
                                          else "(split across GPUs by DataParallel)"))
     add_device_flags(p)
     p.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
-                   help="autocast dtype. Default: float16 on CUDA, bfloat16 on the CPU")
+                   help="autocast dtype. Default: float16 on an accelerator (CUDA or ROCm, "
+                        "XPU, MPS), bfloat16 on the CPU")
     p.add_argument("--num_workers", type=int, default=None,
-                   help="DataLoader worker processes (classic loader). Default: 4 with CUDA, "
-                        "0 on the CPU")
+                   help="DataLoader worker processes (classic loader). Default: 4 on an "
+                        "accelerator, 0 on the CPU")
     p.add_argument("--loader", choices=LOADERS, default="auto",
                    help="input path: 'fast' holds the whole data set as uint8 on the device and "
                         "resizes/normalises/flips there in batch; 'classic' is torchvision's "

@@ -57,10 +57,9 @@ def build_parser() -> Parser:
                         "training; reduce-overhead: replayed as CUDA graphs (one device, on "
                         "CUDA, --accum_steps 1). Compilation happens in the warm-up steps")
     p.add_argument("--busy", action="store_true",
-                   help="on CUDA: after the timing, 10 more steps under torch.profiler "
-                        "recording CUDA activity alone (no host op, which would slow the host), "
-                        "and the share of their wall time the GPU ran kernels (the rest it "
-                        "waited for the host)")
+                   help="on CUDA: after the timing, 10 more steps under torch.profiler, CUDA "
+                        "activity alone, and the share of their wall time the GPU ran kernels "
+                        "(the rest it waited for the host)")
     p.add_argument("--dp_scope", choices=("model", "features"), default="model",
                    help="DataParallel wraps the whole model or only model.features (as in training)")
     p.add_argument("--accum_steps", type=int, default=1, metavar="K",
@@ -93,7 +92,7 @@ def _add_pipeline_flags(p: Parser) -> None:
                         "else batch_size x (warm-up + timed batches + 1) generated images "
                         "(at least 256) in CIFAR-10's format, in a temporary folder")
     p.add_argument("--num_workers", type=int, default=None,
-                   help="DataLoader workers of the classic path (default: 4 with CUDA, 0 on CPU)")
+                   help="DataLoader workers of the classic path (default: 4 on CUDA, 0 on the CPU)")
     p.add_argument("--pipeline_batches", type=int, default=10,
                    help="timed batches of the input pipeline (after --warmup batches, at most 2)")
     p.add_argument("--repeat", type=int, default=1,

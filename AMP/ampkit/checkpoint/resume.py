@@ -14,7 +14,6 @@ Every rank makes both calls, together.
 """
 from __future__ import annotations
 
-import os
 import socket
 import warnings
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..distributed import CommHook, DistInfo, gather_from_ranks, load_optimizer_state
+from ..distributed import (CommHook, DistInfo, gather_from_ranks, load_optimizer_state,
+                           torchrun_attempt)
 from ..errors import UserError
 from ..flags import DEFAULT_LR
 from ..randomness import restore_random_state
@@ -44,8 +44,7 @@ def resume_path(resume_flag: Optional[str], run_dir: Path) -> Optional[Path]:
     if resume_flag:
         return checkpoint_files.resolve(Path(resume_flag), "--resume")
     # Restarted by torchrun (--max-restarts): continue from the latest checkpoint.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if restarted and (run_dir / checkpoint_files.LAST).is_file():
+    if torchrun_attempt() > 0 and (run_dir / checkpoint_files.LAST).is_file():
         return run_dir / checkpoint_files.LAST
     return None
 
