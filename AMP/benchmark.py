@@ -142,7 +142,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"timer: {'CUDA events' if device.type == 'cuda' else 'perf_counter'}):")
         print(tables.step_table(steps))
         print("(x fp32: images/s over the fp32 row of the same parallel mode; util: of the "
-              "precision's dense peak x devices)")
+              "precision's dense peak x devices" + ("; GPU busy: the share of 10 more steps' "
+              "wall time in which the GPU ran kernels, torch.profiler recording CUDA activity "
+              "alone, no host op)" if args.busy else ")"))
     if pipes:
         print(f"\nInput pipeline alone (images/s delivered to {device.type} at {args.img_size}px; "
               f"best of {args.repeat}, {args.pipeline_batches} timed batches after "

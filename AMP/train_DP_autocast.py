@@ -112,7 +112,7 @@ def main(argv=None):
                             profile_dir=run.dir / "profile" if args.profile else None)
             log.print(header_line(args.variant, technique, data, run.info, amp_dtype=amp_dtype,
                                   accum_steps=args.accum_steps, clip_grad=args.clip_grad,
-                                  fp32_math=fp32_math))
+                                  fp32_math=fp32_math, data_parallel=True))
 
             for epoch in range(resumed.epoch, args.epochs):
                 sampler.set_epoch(epoch)

@@ -43,8 +43,9 @@ def build(network, criterion, *, device, lr, amp_dtype, reduce_dtype, loss_scali
     for block in shard_units(model):
         fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=amp_dtype,
                                                           reduce_dtype=reduce_dtype))
-    model = fully_shard(model, mp_policy=MixedPrecisionPolicy(
-        param_dtype=amp_dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32))
+    policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=reduce_dtype,
+                                  output_dtype=torch.float32)
+    model = fully_shard(model, mp_policy=policy)
     # After fully_shard, which replaced the parameters: AdamW over this process's shards
     # (made before it, the optimizer would hold the replaced ones).
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
@@ -81,7 +82,8 @@ def build(network, criterion, *, device, lr, amp_dtype, reduce_dtype, loss_scali
         scaler.update()
         return losses, norm
 
-    return Technique(model, optimizer, train_step, scaler=scaler if loss_scaling else None)
+    return Technique(model, optimizer, train_step, scaler=scaler if loss_scaling else None,
+                     mp_policy=policy)
 
 
 @report_user_errors

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: the GPU figures of docs/results.md, then every CUDA path of
-# the scripts, briefly: torchrun (NCCL) for DDP and FSDP2 (with gradient accumulation and
-# clipping), DataParallel with GradScaler, SIGTERM and --resume, --compile, the eval
-# scripts, and the CUDA tests.
+# One call on a GPU machine: first every CUDA path of the scripts, briefly -- the CUDA tests,
+# torchrun (NCCL) for DDP and FSDP2 (with gradient accumulation and clipping), DataParallel
+# with GradScaler, SIGTERM and --resume, the eval scripts -- then the GPU figures of
+# docs/results.md, then --compile and CUDA graphs last.
 #   bash bench/gpu_check.sh              # on the GPU (device tool: timeout_s 600)
 #   bash bench/gpu_check.sh --dry-run    # the same steps on the CPU at toy sizes: checks the
 #                                        # script before GPU time is spent (3 min 18 s, 21
@@ -16,28 +16,30 @@
 # once the steps that read them are over; any file over 1 MiB stays out of the archive
 # (named in the summary). The exit status is non-zero if any step failed or was skipped,
 # or if $OUT does not fit what the device tool brings back.
-# Steps run in the order of what a try must bring back, each under a timeout capped by
-# what is left of BUDGET seconds (default 500), so a slow step cannot cost the ones
-# before it; no process of a step outlives it (bench/steps.sh); the header's commands
-# have timeouts too.
-#   1. the step benchmark at 227, batch 256, every row with its speed-up over the fp32 row
-#      of its parallel mode and its share of the GPU's peak (by name, ampkit/device.py):
-#      single device, DataParallel, DDP and FSDP2 (one-process NCCL groups) in fp32 /
-#      fp16 / fp16 + GradScaler; then where a step's time goes at the scripts' own batch
-#      (64 at 227 px): the share of the wall time the GPU ran kernels (torch.profiler),
-#      train_autocast eager, with --compile and with --compile reduce-overhead (CUDA
-#      graphs), and which is fastest; channels_last; bf16; fp32 without TF32;
-#   2. pytest -m cuda (the only step that asserts);
-#   3. a real run of the fastest single-device configuration of step 1: 2 epochs of 50,000
-#      generated (learnable) CIFAR-format images at 227, fast input path;
-#   4. short runs (1 epoch of 2,560 generated images at 128, batch 64): DDP + GradScaler
+# Steps run in the order of what a try must bring back -- whether the CUDA paths are right,
+# then the timings, then compile (a compile that hangs or runs long must not cost the
+# answers before it) -- each under a timeout capped by what is left of BUDGET seconds
+# (default 500), so a slow step cannot cost the ones before it; no process of a step
+# outlives it (bench/steps.sh); the header's commands have timeouts too.
+#   1. pytest -m cuda (the only step that asserts);
+#   2. short runs (1 epoch of 2,560 generated images at 128, batch 64): DDP + GradScaler
 #      under torchrun with accumulation and clipping, then eval_DDP --autocast on its
 #      checkpoint; FSDP2 + GradScaler, resumed to epoch 2, then eval_without on its
 #      gathered checkpoint; FSDP2's MixedPrecisionPolicy; DataParallel + GradScaler, then
 #      eval_DP; SIGTERM mid-run (exit 143), then --resume to the end of that epoch;
+#   3. the step benchmark at 227, batch 256, every row with its speed-up over the fp32 row
+#      of its parallel mode and its share of the GPU's peak (by name, ampkit/device.py):
+#      single device, DataParallel, DDP and FSDP2 (one-process NCCL groups) in fp32 /
+#      fp16 / fp16 + GradScaler; channels_last; bf16; fp32 without TF32;
+#   4. a real run of the fastest single-device configuration of step 3: 2 epochs of 50,000
+#      generated (learnable) CIFAR-format images at 227, fast input path;
 #   5. the input pipeline alone (article PIL path, classic DataLoader with as many workers
 #      as /dev/shm holds, fast);
-#   6. --compile in training, in one configuration (the fastest, with --tf32).
+#   6. where a step's time goes at the scripts' own batch (64 at 227 px): the share of the
+#      wall time the GPU ran kernels (torch.profiler, CUDA activity alone), train_autocast
+#      eager, with --compile and with --compile reduce-overhead (CUDA graphs, one
+#      micro-batch per step), and which is fastest; then --compile in training, in one
+#      configuration (the fastest, with --tf32).
 # Uses whatever python3 has torch (the device machine: torch 2.11, no network).
 set -u
 cd "$(dirname "$0")/.."
@@ -70,77 +72,8 @@ source bench/steps.sh
 timeout 120 python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')" 2>&1 | tee -a "$OUT/summary.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || log "torch did not answer in 120 s (or failed): the steps below will tell"
 
-B="python3 AMP/benchmark.py $DEV --img_size $IMG --batch_size $BS $STEPS --pipeline none"
-run bench_fp16 150 $B $PEAK --variants train_without,train_autocast,train_GradScaler,train_DP,train_DP_autocast,\
-train_DDP,train_DDP_GradScaler,train_FSDP,train_FSDP_GradScaler --json "$WORK/bench_fp16.json"
-keep "$WORK/bench_fp16.txt" 16
-# Where a step's time goes, at the scripts' own batch: the share of the wall time the GPU
-# ran kernels (the rest it waited for the host), eager, compiled, and replayed as CUDA
-# graphs (one device: DataParallel, DDP and FSDP2 refuse them in one line). A dry run on
-# the CPU has no kernels to see (busy "-") and no CUDA graphs to replay.
-BB="python3 AMP/benchmark.py $DEV --img_size $IMG --batch_size $BUSY_BS $STEPS --pipeline none --busy"
-run busy_eager 45 $BB $PEAK --variants train_autocast,train_GradScaler --json "$WORK/busy_eager.json"
-keep "$WORK/busy_eager.txt" 5
-run busy_compile 100 $BB $PEAK --compile --variants train_autocast --json "$WORK/busy_compile.json"
-keep "$WORK/busy_compile.txt" 4
-if [ $DRY = 1 ]; then
-  log "busy_graphs: not in a dry run (CUDA graphs are CUDA's; the CPU refuses them in one line)"
-else
-  run busy_graphs 100 $BB $PEAK --compile reduce-overhead --variants train_autocast \
-    --json "$WORK/busy_graphs.json"
-  keep "$WORK/busy_graphs.txt" 4
-fi
-python3 - "$WORK" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
-import json, pathlib, sys
-rows = []
-for mode in ("eager", "compile", "graphs"):
-    try:
-        steps = json.loads((pathlib.Path(sys.argv[1]) / f"busy_{mode}.json").read_text())["steps"]
-    except (OSError, ValueError, KeyError):
-        continue
-    rows += [(s["variant"], mode, s) for s in steps if s.get("status") == "ok"]
-for variant in dict.fromkeys(v for v, _, _ in rows):
-    mine = [(m, s) for v, m, s in rows if v == variant]
-    for m, s in mine:
-        busy = "-" if s.get("gpu_busy") is None else f"{100 * s['gpu_busy']:.0f}%"
-        print(f"busy: {variant} {m}: {s['step_ms']:.2f} ms/step, {s['images_per_s']:.0f} "
-              f"images/s, GPU busy {busy}")
-    fastest = min(mine, key=lambda ms: ms[1]["step_ms"])
-    print(f"busy: fastest {variant}: {fastest[0]} ({fastest[1]['step_ms']:.2f} ms/step)")
-PY
-
-run bench_fp16_cl 60 $B $PEAK --channels_last --variants train_without,train_autocast,train_GradScaler \
-  --json "$WORK/bench_fp16_cl.json"; keep "$WORK/bench_fp16_cl.txt" 8
-run bench_bf16_cl 60 $B $PEAK --channels_last --amp_dtype bfloat16 --variants train_without,train_autocast \
-  --json "$WORK/bench_bf16_cl.json"; keep "$WORK/bench_bf16_cl.txt" 7
-run bench_fp32_ieee 45 $B $PEAK $NO_TF32 --channels_last --variants train_without \
-  --json "$WORK/bench_fp32_ieee.json"; keep "$WORK/bench_fp32_ieee.txt" 6
-
 run pytest_cuda 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests
 keep "$WORK/pytest_cuda.txt" 15
-
-# The fastest single-device configuration measured above -> its training script's flags
-# (a missing or truncated JSON is skipped; nothing measured: a fixed choice).
-BEST=$(python3 - "$WORK" <<'PY'
-import json, pathlib, sys
-best = None
-for f in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json")):
-    try:
-        steps = json.loads(f.read_text())["steps"]
-    except (OSError, ValueError, KeyError):
-        continue
-    for s in steps:
-        if s.get("status") == "ok" and s.get("parallel") == "single" and (
-                best is None or s["images_per_s"] > best["images_per_s"]):
-            best = s
-if best is not None:
-    flags = [best["variant"]] + (["--amp_dtype", best["amp_dtype"]] if best["amp_dtype"] else [])
-    print(" ".join(flags + (["--channels_last"] if best["channels_last"] else [])))
-PY
-)
-BEST=${BEST:-train_autocast --channels_last}
-log "fastest single-device configuration: $BEST"
-set -- $BEST; VARIANT=$1; shift; BEST_FLAGS="$*"
 
 # Two learnable CIFAR-format sets, outside WORK: the real run's and the short runs'.
 run data 60 python3 -c "import sys; sys.path.insert(0, 'AMP'); from tools.cifar_files import write_cifar10 as w; \
@@ -153,10 +86,6 @@ drop() {
   for f in "$CK/$1"/*/log.jsonl; do [ -f "$f" ] && cp "$f" "$WORK/$1.log.jsonl"; done
   rm -rf "${CK:?}/$1"
 }
-
-run real_run 150 python3 AMP/$VARIANT.py $DEV $BEST_FLAGS --dataset CIFAR10 --dataset_root "$SCRATCH/cifar" \
-  --img_size $IMG --epochs 2 --batch_size $BS --lr 1e-4 --no-tensorboard --checkpoint "$CK/real_run"
-keep "$WORK/real_run.txt" 6; drop real_run
 
 # The short runs: one epoch each (two when resumed), their checkpoints read by the evals.
 S="$DEV --dataset CIFAR10 --dataset_root $SCRATCH/small --img_size $S_IMG --batch_size $S_BS --no-tensorboard"
@@ -206,6 +135,45 @@ weights_only=True, mmap=True)['epoch'] + 1)\") && python3 AMP/train_GradScaler.p
 --checkpoint $CK/sigterm"
 keep "$WORK/sigterm_resume.txt" 5; drop sigterm
 
+B="python3 AMP/benchmark.py $DEV --img_size $IMG --batch_size $BS $STEPS --pipeline none"
+run bench_fp16 150 $B $PEAK --variants train_without,train_autocast,train_GradScaler,train_DP,train_DP_autocast,\
+train_DDP,train_DDP_GradScaler,train_FSDP,train_FSDP_GradScaler --json "$WORK/bench_fp16.json"
+keep "$WORK/bench_fp16.txt" 16
+
+run bench_fp16_cl 60 $B $PEAK --channels_last --variants train_without,train_autocast,train_GradScaler \
+  --json "$WORK/bench_fp16_cl.json"; keep "$WORK/bench_fp16_cl.txt" 8
+run bench_bf16_cl 60 $B $PEAK --channels_last --amp_dtype bfloat16 --variants train_without,train_autocast \
+  --json "$WORK/bench_bf16_cl.json"; keep "$WORK/bench_bf16_cl.txt" 7
+run bench_fp32_ieee 45 $B $PEAK $NO_TF32 --channels_last --variants train_without \
+  --json "$WORK/bench_fp32_ieee.json"; keep "$WORK/bench_fp32_ieee.txt" 6
+
+# The fastest single-device configuration measured above -> its training script's flags
+# (a missing or truncated JSON is skipped; nothing measured: a fixed choice).
+BEST=$(python3 - "$WORK" <<'PY'
+import json, pathlib, sys
+best = None
+for f in sorted(pathlib.Path(sys.argv[1]).glob("bench_*.json")):
+    try:
+        steps = json.loads(f.read_text())["steps"]
+    except (OSError, ValueError, KeyError):
+        continue
+    for s in steps:
+        if s.get("status") == "ok" and s.get("parallel") == "single" and (
+                best is None or s["images_per_s"] > best["images_per_s"]):
+            best = s
+if best is not None:
+    flags = [best["variant"]] + (["--amp_dtype", best["amp_dtype"]] if best["amp_dtype"] else [])
+    print(" ".join(flags + (["--channels_last"] if best["channels_last"] else [])))
+PY
+)
+BEST=${BEST:-train_autocast --channels_last}
+log "fastest single-device configuration: $BEST"
+set -- $BEST; VARIANT=$1; shift; BEST_FLAGS="$*"
+
+run real_run 150 python3 AMP/$VARIANT.py $DEV $BEST_FLAGS --dataset CIFAR10 --dataset_root "$SCRATCH/cifar" \
+  --img_size $IMG --epochs 2 --batch_size $BS --lr 1e-4 --no-tensorboard --checkpoint "$CK/real_run"
+keep "$WORK/real_run.txt" 6; drop real_run
+
 # The classic path's workers each hold 2 batches in /dev/shm (a container's may be small):
 # as many workers as it has room for, none (the classic path skipped, said here) if none fit.
 SHM_MB=$(df -Pm /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}'); SHM_MB=${SHM_MB:-0}
@@ -219,6 +187,42 @@ fi
 run pipeline 60 python3 AMP/benchmark.py $DEV --variants none --pipeline $PIPES --img_size $IMG \
   --num_workers $W --batch_size $BS --pipeline_batches $PIPE_B --json "$WORK/pipeline.json"
 keep "$WORK/pipeline.txt" 8
+
+# Where a step's time goes, at the scripts' own batch: the share of the wall time the GPU
+# ran kernels (the rest it waited for the host), eager, compiled, and replayed as CUDA
+# graphs (one device and one micro-batch per step: DataParallel, DDP, FSDP2 and
+# --accum_steps 2 or more refuse them in one line, so no step here asks for them). A dry run on
+# the CPU has no kernels to see (busy "-") and no CUDA graphs to replay.
+BB="python3 AMP/benchmark.py $DEV --img_size $IMG --batch_size $BUSY_BS $STEPS --pipeline none --busy"
+run busy_eager 45 $BB $PEAK --variants train_autocast,train_GradScaler --json "$WORK/busy_eager.json"
+keep "$WORK/busy_eager.txt" 5
+run busy_compile 100 $BB $PEAK --compile --variants train_autocast --json "$WORK/busy_compile.json"
+keep "$WORK/busy_compile.txt" 4
+if [ $DRY = 1 ]; then
+  log "busy_graphs: not in a dry run (CUDA graphs are CUDA's; the CPU refuses them in one line)"
+else
+  run busy_graphs 100 $BB $PEAK --compile reduce-overhead --variants train_autocast \
+    --json "$WORK/busy_graphs.json"
+  keep "$WORK/busy_graphs.txt" 4
+fi
+python3 - "$WORK" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+import json, pathlib, sys
+rows = []
+for mode in ("eager", "compile", "graphs"):
+    try:
+        steps = json.loads((pathlib.Path(sys.argv[1]) / f"busy_{mode}.json").read_text())["steps"]
+    except (OSError, ValueError, KeyError):
+        continue
+    rows += [(s["variant"], mode, s) for s in steps if s.get("status") == "ok"]
+for variant in dict.fromkeys(v for v, _, _ in rows):
+    mine = [(m, s) for v, m, s in rows if v == variant]
+    for m, s in mine:
+        busy = "-" if s.get("gpu_busy") is None else f"{100 * s['gpu_busy']:.0f}%"
+        print(f"busy: {variant} {m}: {s['step_ms']:.2f} ms/step, {s['images_per_s']:.0f} "
+              f"images/s, GPU busy {busy}")
+    fastest = min(mine, key=lambda ms: ms[1]["step_ms"])
+    print(f"busy: fastest {variant}: {fastest[0]} ({fastest[1]['step_ms']:.2f} ms/step)")
+PY
 
 # torch.compile in training, with the new fp32_precision API set (--tf32): the compiler must
 # not read the legacy TF32 flags then. Then the benchmark in the same configuration, warm.

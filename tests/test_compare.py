@@ -681,15 +681,39 @@ def test_benchmark_comm_hook_flags_it_cannot_honour_are_one_line(flags, says, ca
 def test_the_gpus_busy_share_counts_each_instant_once():
     """benchmark.py --busy: the kernels' intervals, merged where streams overlap, over the
     wall time; on the CPU there is no kernel to count."""
-    import warnings
-
     from tools.measure_steps import covered_us, gpu_busy_share
 
     assert covered_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
     assert covered_us([]) == 0
-    with warnings.catch_warnings():  # the profiler's "CUDA is not available"
-        warnings.simplefilter("ignore")
-        assert gpu_busy_share(lambda: torch.ones(8).sum(), torch.device("cpu")) == 0.0
+    assert gpu_busy_share(lambda: torch.ones(8).sum(), torch.device("cpu")) == 0.0
+
+
+def test_busy_share_records_cuda_activity_alone(monkeypatch):
+    """--busy's profiler records the GPU's kernels and no host op: recording the host's ops
+    would slow the host whose waits the share measures, an eager step more than a CUDA
+    graph replay. Its kernels' intervals, merged, over the wall time: the share."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch.profiler
+    from helpers.machines import pretend_machine
+    from tools.measure_steps import gpu_busy_share
+
+    asked, cuda = [], torch.autograd.DeviceType.CUDA
+    kernels = [SimpleNamespace(device_type=kind, time_range=SimpleNamespace(start=a, end=b))
+               for kind, a, b in [(cuda, 0, 0.5), (torch.autograd.DeviceType.CPU, 0, 9e9)]]
+
+    @contextlib.contextmanager
+    def profile(activities):
+        asked.append(list(activities))
+        yield SimpleNamespace(events=lambda: kernels)
+
+    pretend_machine(monkeypatch, "cuda", 1)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.profiler, "profile", profile)
+    share = gpu_busy_share(lambda: None, torch.device("cuda"))
+    assert asked == [[torch.profiler.ProfilerActivity.CUDA]]
+    assert 0 < share < 1  # half a microsecond of kernels, not the host's span
 
 
 def test_benchmark_refuses_cuda_graphs_off_one_device_in_one_line(capsys):

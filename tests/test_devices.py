@@ -7,6 +7,8 @@ and the code's decisions on it are checked; no kernel runs on a pretended device
 device's kernels take is checked on the CPU by its rules: test_device_rules.py."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -207,22 +209,47 @@ def test_dataparallel_wraps_the_model_on_cuda(monkeypatch):
     assert len(made) == 2
 
 
-def test_bfloat16_is_refused_where_the_gpu_only_emulates_it(monkeypatch):
-    """A V100 or T4 runs bfloat16 emulated, slower than float32; ``is_bf16_supported()``
-    says yes unless asked without emulation."""
+# A node of mixed GPUs: a V100 (bfloat16 emulated only, slower than float32) as device 0,
+# an A100 as device 1.
+MIXED_NODE = {"cuda": [SimpleNamespace(name="Tesla V100-SXM2-16GB", major=7),
+                       SimpleNamespace(name="NVIDIA A100-SXM4-80GB", major=8)],
+              "xpu": [SimpleNamespace(name="Intel(R) Iris(R) Xe Graphics",
+                                      has_bfloat16_conversions=False),
+                      SimpleNamespace(name="Intel(R) Data Center GPU Max 1550",
+                                      has_bfloat16_conversions=True)]}
+
+
+def pretend_mixed_node(monkeypatch, kind: str) -> None:
+    """MIXED_NODE's GPUs of ``kind``, device 0 current (as in a process of a group before it
+    sets its own); torch's ``is_bf16_supported`` answers, as torch's does, for the current
+    device."""
+    pretend_machine(monkeypatch, kind, 2)
+    gpus, module = MIXED_NODE[kind], getattr(torch, kind)
+    props = lambda device=None: gpus[getattr(device, "index", device) or 0]
+    native = (lambda p: p.major >= 8) if kind == "cuda" else (
+        lambda p: p.has_bfloat16_conversions)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(module, "current_device", lambda: 0)
+    monkeypatch.setattr(module, "get_device_properties", props)
+    monkeypatch.setattr(module, "get_device_name", lambda device=None: props(device).name)
+    monkeypatch.setattr(module, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation or native(gpus[0]))
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_each_rank_asks_its_own_gpu_for_bfloat16(kind, monkeypatch):
+    """A process of a group decides its autocast dtype before it sets its device: on a node
+    of mixed GPUs rank 1 gets its own GPU's answer (bfloat16), not device 0's; rank 0, on
+    a GPU that only emulates bfloat16, is refused in one line naming it."""
     from ampkit.device import resolve_amp_dtype
 
-    pretend_machine(monkeypatch, "cuda", 1)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
-                        lambda including_emulation=True: including_emulation)
+    pretend_mixed_node(monkeypatch, kind)
+    assert resolve_amp_dtype("bfloat16", process_device(kind, 1)) is torch.bfloat16
     with pytest.raises(UserError) as refused:
-        resolve_amp_dtype("bfloat16", torch.device("cuda"))
-    assert str(refused.value) == ("--amp_dtype bfloat16: Tesla V100-SXM2-16GB does not support "
-                                  "bfloat16 (use --amp_dtype float16)")
-    assert resolve_amp_dtype(None, torch.device("cuda")) is torch.float16
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert resolve_amp_dtype("bfloat16", torch.device("cuda")) is torch.bfloat16  # Ampere on
+        resolve_amp_dtype("bfloat16", process_device(kind, 0))
+    assert str(refused.value) == (f"--amp_dtype bfloat16: {MIXED_NODE[kind][0].name} does not "
+                                  "support bfloat16 (use --amp_dtype float16)")
+    assert resolve_amp_dtype(None, process_device(kind, 0)) is torch.float16
 
 
 @pytest.mark.parametrize("answer, peak", [(0, None), (3 * 2**20, 3.0)])
@@ -232,6 +259,33 @@ def test_a_device_without_allocator_statistics_has_no_peak(answer, peak, monkeyp
     pretend_machine(monkeypatch, "xpu", 1)
     monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda index=None: answer)
     assert peak_memory_mb(torch.device("xpu", 0)) == peak
+
+
+@pytest.mark.parametrize("variant", ["train_without", "train_autocast", "train_GradScaler"])
+def test_cuda_graphs_with_accumulation_are_refused_at_the_flags(variant, monkeypatch):
+    """--compile reduce-overhead with --accum_steps 2: refused when the flags are read, on a
+    pretended CUDA machine too (the crash it avoids is CUDA's, in the first optimizer step);
+    one micro-batch per step stays accepted."""
+    from ampkit.flags import parse_train_args
+
+    pretend_machine(monkeypatch, "cuda", 1)
+    with pytest.raises(UserError, match="takes one micro-batch per optimizer step"):
+        parse_train_args(variant, ["--cuda", "--compile", "reduce-overhead", "--accum_steps", "2"])
+    assert parse_train_args(variant, ["--cuda", "--compile", "reduce-overhead"]).accum_steps == 1
+    assert parse_train_args(variant, ["--compile", "--accum_steps", "2"]).compile == "default"
+
+
+def test_benchmark_refuses_cuda_graphs_with_accumulation_in_one_line(capsys):
+    from tools.bench_flags import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--cuda", "--variants", "train_autocast", "--compile", "reduce-overhead",
+                    "--accum_steps", "2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "takes one micro-batch per optimizer step" in err
+    assert parse_args(["--cuda", "--variants", "train_autocast", "--compile",
+                       "reduce-overhead"]).accum_steps == 1
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -248,3 +302,52 @@ def test_a_flag_this_run_cannot_honour_is_one_line(flags, says, imagefolder_root
     res = run_main(script, *quick_flags(imagefolder_root, tmp_path, epochs=1), *flags)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.describe()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "xpu", "mps"])
+def test_the_help_says_the_defaults_the_code_takes(kind, monkeypatch):
+    """--amp_dtype's and --num_workers' help give the defaults that resolve_amp_dtype and the
+    classic loader's default_workers take, on each kind of device."""
+    from ampkit.data.classic import default_workers
+    from ampkit.device import resolve_amp_dtype
+    from ampkit.flags import train_parser
+
+    helps = {a.dest: " ".join(a.help.split()) for a in train_parser("train_autocast")._actions}
+    device = torch.device(kind)
+    where = "the CPU" if kind == "cpu" else "an accelerator"
+    dtype = str(resolve_amp_dtype(None, device))[len("torch."):]
+    assert f"{dtype} on {where}" in helps["amp_dtype"], helps["amp_dtype"]
+    assert f"{default_workers(None, device)} on {where}" in helps["num_workers"]
+
+
+def test_the_header_reads_the_precision_and_dataparallel_from_the_objects():
+    """The header's "MixedPrecisionPolicy" is FSDP2's policy object, "autocast" the autocast
+    object's, "DataParallel is CUDA's" a DataParallel script's without a DataParallel: not the
+    script's name, nor the absence of an autocast."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ampkit.distributed import DistInfo
+    from ampkit.engine import Technique
+    from ampkit.run import header_line
+
+    data = SimpleNamespace(name="FakeData", train_size=8, val_size=4, num_classes=2,
+                           image_shape=(3, 64, 64), batch_size=2, kind="fast")
+    info, net = DistInfo(device=torch.device("cpu")), torch.nn.Linear(2, 2)
+
+    def precision(variant, technique, amp_dtype=torch.bfloat16, **kw):
+        line = header_line(variant, technique, data, info, amp_dtype=amp_dtype, accum_steps=1,
+                           clip_grad=None, fp32_math="", **kw)
+        return line.split("precision ")[1].split(",")[0], line
+
+    plain = Technique(net, None, None)
+    policy = Technique(net, None, None, mp_policy=MixedPrecisionPolicy(torch.bfloat16))
+    autocast = Technique(net, None, None, torch.autocast("cpu", dtype=torch.bfloat16))
+    assert precision("mine", policy)[0] == "MixedPrecisionPolicy (bfloat16)"
+    assert precision("train_FSDP_mixed", plain)[0] == "fp32"
+    assert precision("mine", autocast)[0] == "autocast (bfloat16)"
+    assert precision("mine", plain, amp_dtype=None)[0] == "fp32"
+    note = "on cpu (DataParallel is CUDA's: on the cpu the model runs as it is)"
+    assert note in precision("mine", plain, None, data_parallel=True)[1]
+    assert "DataParallel" not in precision("train_DP", plain, None)[1]

@@ -111,3 +111,24 @@ def test_big_files_stay_out_of_the_archive_and_long_outputs_are_cut(tmp_path):
 def test_gpu_check_script_parses():
     res = run(["bash", "-n", "bench/gpu_check.sh"], timeout=30)
     assert res.returncode == 0, res.stderr
+
+
+def test_gpu_check_runs_correctness_first_then_timings_then_compile():
+    """The one GPU try must first say whether the CUDA paths are right: the CUDA tests run
+    first, then the short runs of every path, then the timings; a step with --compile (or
+    the busy shares, which compile) comes after every other, so a compile that hangs or
+    runs long costs no answer before it."""
+    import re
+
+    text = Path("bench/gpu_check.sh").read_text()
+    steps = [(m.group(1), m.group(2)) for m in re.finditer(
+        r"^\s*(?:needs \S+ \S+ &&\s*)?run (\w+) \d+ (.*(?:\\\n.*)*)", text, re.M)]
+    names = [name for name, _ in steps]
+    assert names[0] == "pytest_cuda", names
+    compiled = [i for i, (name, cmd) in enumerate(steps)
+                if "--compile" in cmd or name.startswith("busy_")]
+    timings = [i for i, (name, _) in enumerate(steps)
+               if name.startswith("bench_") or name in ("real_run", "pipeline")]
+    correctness = [i for i in range(len(steps)) if i not in compiled + timings]
+    assert compiled and timings and len(correctness) >= 10, names
+    assert max(correctness) < min(timings) and max(timings) < min(compiled), names

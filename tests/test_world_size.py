@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,15 @@ def test_rank_0_decides_what_is_resumed_and_every_rank_must_see_it(tmp_path):
     unreadable = ("node1", str(copy), True, f"cannot read {copy} (Permission denied)", None)
     with pytest.raises(UserError, match=r"rank 2 on node1: cannot read .*Permission denied"):
         _agreed(_args(tmp_path), run_dir, [same, unreadable])
+    # --resume, where rank 0's node has no last.pth and another node has one: the nodes see
+    # different folders, and that is the line (not rank 0's "no checkpoint to resume").
+    with pytest.raises(UserError) as e:
+        _agreed(_args(tmp_path), tmp_path / "nB", [same])
+    assert str(e.value) == (f"--resume: rank 0 on {socket.gethostname()} finds no checkpoint at "
+                            f"{tmp_path / 'nB' / 'last.pth'}, but rank 1 on node1 finds one at "
+                            f"{last}: the checkpoint folder must be shared by every node "
+                            "(--checkpoint on a shared file system), or the same file copied "
+                            "to each")
     # Rank 0 starts afresh (a restart where its folder has no last.pth): so does every rank.
     assert _agreed(_args(tmp_path, resume=None), tmp_path / "none", [same]) is None
 

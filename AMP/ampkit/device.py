@@ -24,7 +24,6 @@ TFLOP/s.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import re
 import resource
 import sys
@@ -196,7 +195,7 @@ def resolve_amp_dtype(name: Optional[str], device: torch.device) -> torch.dtype:
     dtype = getattr(torch, name)
     if dtype is torch.bfloat16 and not _bf16_supported(device):
         module = torch.get_device_module(device.type)
-        what = (module.get_device_name(device) if hasattr(module, "get_device_name")
+        what = (module.get_device_name(_index(device)) if hasattr(module, "get_device_name")
                 else f"this {device.type} device")
         raise UserError(f"--amp_dtype bfloat16: {what} does not support bfloat16 (use "
                         "--amp_dtype float16)")
@@ -204,17 +203,19 @@ def resolve_amp_dtype(name: Optional[str], device: torch.device) -> torch.dtype:
 
 
 def _bf16_supported(device: torch.device) -> bool:
-    """CUDA and XPU say so themselves, counting no emulation: by default
-    ``is_bf16_supported()`` says yes on a V100 or T4 too, where bfloat16 is emulated and
-    slower than float32. MPS computes in bfloat16 from macOS 14 on, and an older one refuses
-    a bfloat16 tensor."""
+    """Whether ``device`` itself -- not the current device, which a process of a group has
+    not set yet when it decides its dtype -- computes in bfloat16 natively, by the rule
+    ``is_bf16_supported(including_emulation=False)`` applies to the current one: ROCm
+    always, CUDA from compute capability 8 (Ampere; a V100 or T4 only emulates it, slower
+    than float32), an XPU with bfloat16 conversions. MPS computes in bfloat16 from macOS 14
+    on, and an older one refuses a bfloat16 tensor."""
     if device.type == "cpu":
         return True
-    check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
-    if check is not None:
-        if "including_emulation" in inspect.signature(check).parameters:
-            return bool(check(including_emulation=False))
-        return bool(check())
+    if device.type == "cuda":
+        return bool(torch.version.hip) or torch.cuda.get_device_properties(
+            _index(device)).major >= 8
+    if device.type == "xpu":
+        return bool(torch.xpu.get_device_properties(_index(device)).has_bfloat16_conversions)
     try:
         torch.ones(1, dtype=torch.bfloat16, device=device).add_(1)
         return True

@@ -179,6 +179,12 @@ def torchrun_ranks() -> Tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
+def torchrun_attempt() -> int:
+    """Which attempt of a torchrun job this process is: 0 the first, N after N restarts
+    (``--max-restarts``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def group_store(rank: int, world_size: int) -> Optional[dist.Store]:
     """The store ``init_process_group`` joins by: torchrun's (``env://``: None) on a first
     attempt; under plain ``python`` one in memory, for a group of one. After a torchrun
@@ -188,7 +194,7 @@ def group_store(rank: int, world_size: int) -> Optional[dist.Store]:
     keys are kept apart by a prefix."""
     if "RANK" not in os.environ:  # not started by torchrun
         return dist.HashStore()
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = torchrun_attempt()
     if restart == 0:
         return None
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

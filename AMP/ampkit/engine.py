@@ -60,6 +60,8 @@ class Technique:
     train_step: Step                           # one optimizer step over its micro-batches
     autocast: Optional[torch.autocast] = None  # validation runs under it too
     scaler: Optional[torch.amp.GradScaler] = None
+    # FSDP2's MixedPrecisionPolicy, where the parameters are cast instead of the ops.
+    mp_policy: Optional[object] = None
 
 
 class TrainingDiverged(UserError):

@@ -30,6 +30,13 @@ DATASETS = ("CIFAR10", "FashionMNIST", "ImageFolder", "FakeData")
 AMP_DTYPES = ("float16", "bfloat16")
 LOADERS = ("auto", "fast", "classic")
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes that --compile takes
+# Each compiled forward starts a new CUDA graph generation, which overwrites the gradients the
+# previous micro-batch's backward left in the graphs' memory pool: the next backward's
+# accumulation into them raises (torch/_inductor/cudagraph_trees.py).
+CUDA_GRAPHS_ACCUM = ("--compile reduce-overhead (CUDA graphs) takes one micro-batch per optimizer "
+                     "step: with --accum_steps 2 or more, each micro-batch's graphs overwrite "
+                     "the gradients the previous one accumulated; --compile compiles without "
+                     "graphs, or give --accum_steps 1")
 DEFAULT_LR = 1e-4  # the article's AdamW learning rate
 
 
@@ -66,10 +73,11 @@ def _add_common(p: argparse.ArgumentParser, *, process_group: bool, for_eval: bo
                                          else "(split across GPUs by DataParallel)"))
     add_device_flags(p)
     p.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
-                   help="autocast dtype. Default: float16 on CUDA, bfloat16 on the CPU")
+                   help="autocast dtype. Default: float16 on an accelerator (CUDA or ROCm, "
+                        "XPU, MPS), bfloat16 on the CPU")
     p.add_argument("--num_workers", type=int, default=None,
-                   help="DataLoader worker processes (classic loader). Default: 4 with CUDA, "
-                        "0 on the CPU")
+                   help="DataLoader worker processes (classic loader). Default: 4 on an "
+                        "accelerator, 0 on the CPU")
     p.add_argument("--loader", choices=LOADERS, default="auto",
                    help="input path: 'fast' holds the whole data set as uint8 on the device and "
                         "resizes/normalises/flips there in batch; 'classic' is torchvision's "
@@ -163,7 +171,8 @@ def train_parser(variant: str, process_group: bool = False, doc: Optional[str] =
                    metavar="MODE",
                    help="torch.compile the model (not under DataParallel); --compile "
                         "reduce-overhead also replays its kernels as CUDA graphs (one device, "
-                        "on CUDA: train_without, train_autocast, train_GradScaler)")
+                        "on CUDA: train_without, train_autocast, train_GradScaler; "
+                        "--accum_steps 1)")
     # Default "model": the article's nn.DataParallel(model), so the comparison measures what
     # the article measured. "features" should be faster on 2+ GPUs: DataParallel copies the
     # replicated parameters to every GPU in every forward, 2.5M (9 MB) for the conv layers
@@ -282,6 +291,8 @@ def check_technique_flags(args: argparse.Namespace, given: frozenset) -> None:
                            if variant.startswith("train_DDP") else
                            "FSDP2 gathers and frees each block's weights around it")
                         + "; --compile compiles without them")
+    if args.compile == "reduce-overhead" and args.accum_steps > 1:
+        raise UserError(CUDA_GRAPHS_ACCUM)
     check_dp_scope(args.arch, args.dp_scope)
 
 

@@ -266,21 +266,25 @@ class RunLogger:
 
 
 def header_line(variant: str, technique, data, info, *, amp_dtype: Optional[torch.dtype],
-                accum_steps: int, clip_grad: Optional[float], fp32_math: str) -> str:
+                accum_steps: int, clip_grad: Optional[float], fp32_math: str,
+                data_parallel: bool = False) -> str:
     """The run's first line: what trains, on what, in which precision, from which data
     (``technique``: ``engine.Technique``; ``data``: ``ampkit.data.Loaders``; ``info``: this
-    process in its group; ``amp_dtype``: the dtype the run computes in, None: float32)."""
+    process in its group; ``amp_dtype``: the dtype the run computes in, None: float32;
+    ``data_parallel``: a DataParallel script, which builds no DataParallel off CUDA). What
+    the run computes in is read from the technique's objects: a DataParallel in the model,
+    an autocast, FSDP2's MixedPrecisionPolicy, an enabled GradScaler."""
     device = info.device
     gpu = device.type == "cuda"
     dp = any(isinstance(m, torch.nn.DataParallel) for m in technique.model.modules())
-    dp_script = variant.startswith("train_DP") and not variant.startswith("train_DDP")
     gpus = (f" x{torch.cuda.device_count()} GPUs" if dp else
             f" (DataParallel is CUDA's: on the {device.type} the model runs as it is)"
-            if dp_script else "")
+            if data_parallel else "")
     scaled = technique.scaler is not None and technique.scaler.is_enabled()
-    precision = ("fp32" + (f" ({fp32_math})" if gpu else "") if amp_dtype is None else
-                 f"{'autocast' if technique.autocast is not None else 'MixedPrecisionPolicy'}"
-                 f" ({str(amp_dtype)[6:]})" + (" + GradScaler" if scaled else ""))
+    low = ("autocast" if technique.autocast is not None else
+           "MixedPrecisionPolicy" if technique.mp_policy is not None else None)
+    precision = ("fp32" + (f" ({fp32_math})" if gpu else "") if low is None else
+                 f"{low} ({str(amp_dtype)[6:]})" + (" + GradScaler" if scaled else ""))
     batch = data.batch_size
     return (f"{variant}: {data.name} ({data.train_size} train / {data.val_size} val "
             f"images, {data.num_classes} classes) at {data.image_shape[-1]}px on {device}"

@@ -9,7 +9,8 @@ from typing import List, Optional
 
 from ampkit.distributed import HOOKS
 from ampkit.errors import UserError
-from ampkit.flags import AMP_DTYPES, COMPILE_MODES, DATA_DIR, Parser, add_device_flags
+from ampkit.flags import (AMP_DTYPES, COMPILE_MODES, CUDA_GRAPHS_ACCUM, DATA_DIR, Parser,
+                          add_device_flags)
 from ampkit.models import check_arch_flags
 
 from .variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
@@ -54,11 +55,11 @@ def build_parser() -> Parser:
                    metavar="MODE",
                    help="torch.compile the model (not the DataParallel variants), as in "
                         "training; reduce-overhead: replayed as CUDA graphs (one device, on "
-                        "CUDA). Compilation happens in the warm-up steps")
+                        "CUDA, --accum_steps 1). Compilation happens in the warm-up steps")
     p.add_argument("--busy", action="store_true",
-                   help="on CUDA: after the timing, 10 more steps under torch.profiler, and the "
-                        "share of their wall time the GPU ran kernels (the rest it waited for "
-                        "the host)")
+                   help="on CUDA: after the timing, 10 more steps under torch.profiler, CUDA "
+                        "activity alone, and the share of their wall time the GPU ran kernels "
+                        "(the rest it waited for the host)")
     p.add_argument("--dp_scope", choices=("model", "features"), default="model",
                    help="DataParallel wraps the whole model or only model.features (as in training)")
     p.add_argument("--accum_steps", type=int, default=1, metavar="K",
@@ -94,7 +95,7 @@ def _add_pipeline_flags(p: Parser) -> None:
                         "else batch_size x (warm-up + timed batches + 1) generated images "
                         "(at least 256) in CIFAR-10's format, in a temporary folder")
     p.add_argument("--num_workers", type=int, default=None,
-                   help="DataLoader workers of the classic path (default: 4 with CUDA, 0 on CPU)")
+                   help="DataLoader workers of the classic path (default: 4 on CUDA, 0 on the CPU)")
     p.add_argument("--pipeline_batches", type=int, default=10,
                    help="timed batches of the input pipeline (after --warmup batches, at most 2)")
     p.add_argument("--repeat", type=int, default=1,
@@ -141,6 +142,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                  "accum_steps"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag} must be a positive integer")
+    if args.compile == "reduce-overhead" and args.accum_steps > 1:
+        p.error(CUDA_GRAPHS_ACCUM)
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     try:

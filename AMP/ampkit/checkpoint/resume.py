@@ -14,7 +14,6 @@ Every rank makes both calls, together.
 """
 from __future__ import annotations
 
-import os
 import socket
 import warnings
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..distributed import CommHook, DistInfo, gather_from_ranks, load_optimizer_state
+from ..distributed import (CommHook, DistInfo, gather_from_ranks, load_optimizer_state,
+                           torchrun_attempt)
 from ..errors import UserError
 from ..flags import DEFAULT_LR
 from ..randomness import restore_random_state
@@ -44,8 +44,7 @@ def resume_path(resume_flag: Optional[str], run_dir: Path) -> Optional[Path]:
     if resume_flag:
         return checkpoint_files.resolve(Path(resume_flag), "--resume")
     # Restarted by torchrun (--max-restarts): continue from the latest checkpoint.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if restarted and (run_dir / checkpoint_files.LAST).is_file():
+    if torchrun_attempt() > 0 and (run_dir / checkpoint_files.LAST).is_file():
         return run_dir / checkpoint_files.LAST
     return None
 
@@ -63,6 +62,10 @@ def what_this_rank_sees(resume_flag: Optional[str], run_dir: Path) -> tuple:
     return socket.gethostname(), looked, mine is not None, error or unreadable, identity
 
 
+SHARED_FOLDER = ("the checkpoint folder must be shared by every node (--checkpoint on a shared "
+                 "file system), or the same file copied to each")
+
+
 def agreed_path(seen: List[tuple], rank: int) -> Optional[Path]:
     """The checkpoint ``rank`` resumes (None: a new run), from every rank's
     :func:`what_this_rank_sees` in rank order: rank 0's choice, which every rank must see.
@@ -72,9 +75,18 @@ def agreed_path(seen: List[tuple], rank: int) -> Optional[Path]:
     Rank 0 alone writes them, so on several nodes the folder must be shared (or copied): a
     node that sees no checkpoint, or another one, would start afresh or fail while its peers
     wait. Instead every rank stops with one line naming the first such rank, its host and
-    its path."""
+    its path -- also where ``--resume`` finds nothing for rank 0 but a checkpoint for
+    another rank."""
     host0, path0, found0, error0, identity0 = seen[0]
     if error0 is not None:
+        # Rank 0 finds no checkpoint where another rank finds one: the nodes see different
+        # folders, the fault to name (rank 0's own error would send the user after a lost file).
+        other = None if found0 else next((i for i, (_, _, found, _, _) in enumerate(seen)
+                                          if found), None)
+        if other is not None:
+            raise UserError(f"--resume: rank 0 on {host0} finds no checkpoint at {path0}, but "
+                            f"rank {other} on {seen[other][0]} finds one at {seen[other][1]}: "
+                            + SHARED_FOLDER)
         raise UserError(error0)  # every rank stops; rank 0 says why
     if len(seen) == 1:  # one process: loading the file says what is wrong with it
         return Path(path0) if found0 else None
@@ -89,9 +101,7 @@ def agreed_path(seen: List[tuple], rank: int) -> Optional[Path]:
                      else f"finds none at {path}" if not found
                      else f"finds another file at {path}")
             raise UserError(f"rank 0 on {host0} resumes {path0}, but rank {other} on {host} "
-                            f"{found}: the checkpoint folder must be shared by every node "
-                            "(--checkpoint on a shared file system), or the same file copied "
-                            "to each")
+                            f"{found}: " + SHARED_FOLDER)
     return Path(seen[rank][1])  # this rank's own path to the same file
 
 
