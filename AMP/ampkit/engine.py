@@ -95,8 +95,11 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, meter
     count optimizer steps. ``stop``: the ranks' vote (``ampkit.stop.StopVote``), taken before
     the epoch (for a signal since the last one) and after every step (no host sync); when
     it says so, the epoch ends there on every rank (``TrainStats.stopped_at``).
-    ``max_nonfinite=None``: no divergence check (a GradScaler skips the bad steps instead).
-    The figures returned include a resumed epoch's before its stop."""
+    ``max_nonfinite`` inf/NaN losses in a row end the run, unless a GradScaler runs (the
+    technique's scaler, which ``meters`` were made with: it skips those steps instead) or
+    it is None. The figures returned include a resumed epoch's before its stop."""
+    if meters.scaled:
+        max_nonfinite = None
     figures = meters.begin_epoch(epoch, info)
     step, stopped_at, data_seconds = start, None, 0.0
     if stop is not None and stop.before_epoch():  # a signal since the last epoch's steps
