@@ -38,11 +38,15 @@ class CommHook:
         """``powersgd_rank`` (None: 1) and ``start_iter`` (None: 10 % of the run's
         ``run_steps`` optimizer steps, at least 2) tune PowerSGD."""
         self.name, self.bytes_sent, self.rounds = name, 0, 0
-        self._previous = None  # PowerSGD: the last bucket's future
-        self._scaler, self._scale_then = None, None  # follow_scale's
-        self._start_given = start_iter is not None  # --powersgd_start_iter, not the default
-        self.state = None  # PyTorch's hooks take the process group: None is the default one
-        if name == "powersgd":  # the same seed on every rank: the same random start for Q
+        # PowerSGD: the last bucket's future, which the next bucket waits for (_powersgd).
+        self._previous = None
+        self._scaler, self._scale_then = None, None
+        # A warm-up given by --powersgd_start_iter is this run's; the default may be the saved.
+        self._start_given = start_iter is not None
+        # PyTorch's hooks take the process group: None is the default one.
+        self.state = None
+        # The same seed on every rank: the same random start for Q.
+        if name == "powersgd":
             self.state = psgd.PowerSGDState(
                 None, matrix_approximation_rank=powersgd_rank or 1, random_seed=seed,
                 start_powerSGD_iter=start_iter or default_start_iter(run_steps))
@@ -70,7 +74,7 @@ class CommHook:
         return self._powersgd(state, bucket)
 
     def _powersgd(self, state: psgd.PowerSGDState, bucket):
-        if state.iter < state.start_powerSGD_iter:  # the warm-up: a plain all-reduce
+        if state.iter < state.start_powerSGD_iter:
             self.bytes_sent += bucket.buffer().numel() * bucket.buffer().element_size()
             return psgd.powerSGD_hook(state, bucket)
         if self._previous is not None and bucket.index() != 0:
@@ -78,7 +82,8 @@ class CommHook:
             # work is queued, in this thread; gloo when it is done, in its own thread, where
             # they could reach the wire before or after the next bucket's first all-reduce:
             # an order that differs between the ranks. One bucket at a time keeps it.
-            self._previous.wait()  # on a GPU the stream waits, not the host
+            # On a GPU the stream waits, not the host.
+            self._previous.wait()
         index, counted = bucket.index(), state.total_numel_after_compression
         if index == 0 and self._scaler is not None:
             self._rescale_memory(state)
@@ -91,7 +96,8 @@ class CommHook:
         q_before = state.q_memory_dict.get(index)
         q_before = q_before.clone() if q_before is not None else None
         future = psgd.powerSGD_hook(state, bucket)
-        sent = state.total_numel_after_compression - counted  # P, Q and the uncompressed
+        # What went on the wire: P, Q and the tensors sent uncompressed.
+        sent = state.total_numel_after_compression - counted
         self.bytes_sent += sent * bucket.buffer().element_size()
 
         def keep_memory_finite(fut):
@@ -157,7 +163,8 @@ class CommHook:
         saved_start = saved.get("start_iter")
         if saved_start is None or saved_start == self.state.start_powerSGD_iter:
             return said
-        if self._start_given:  # the changed-flags line says --powersgd_start_iter moved
+        # The changed-flags line already says --powersgd_start_iter moved.
+        if self._start_given:
             return said + f"; its warm-up ends at step {self.state.start_powerSGD_iter}"
         # The default is 10 % of the run's steps: more --epochs would move it.
         self.state.start_powerSGD_iter = int(saved_start)

@@ -29,13 +29,14 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 
 @dataclass
 class DistInfo:
-    """This process: its device, and its rank among ``world_size`` (0 of 1 without a group)."""
+    """This process: its device, and its rank among ``world_size`` (0 of 1 without a group);
+    ``distributed``: a process group is initialised, of ``backend`` (nccl, xccl, gloo)."""
     device: torch.device
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    distributed: bool = False  # a process group is initialised
-    backend: str = ""          # its backend: nccl, xccl, gloo
+    distributed: bool = False
+    backend: str = ""
 
     @property
     def is_main(self) -> bool:
@@ -60,7 +61,8 @@ def this_process(device: torch.device) -> DistInfo:
 def barrier(info: DistInfo) -> None:
     """Every rank waits here for all the others."""
     if info.distributed:
-        if info.device.type == "cuda":  # NCCL's barrier takes the device; gloo's none
+        # NCCL's barrier takes the device; gloo's none.
+        if info.device.type == "cuda":
             dist.barrier(device_ids=[info.device.index])
         else:
             dist.barrier()
@@ -126,7 +128,8 @@ class Ballots:
         if self._pending is None:
             return None
         work, self._pending = self._pending, None
-        work.wait()  # it arrived during the step since it was cast: no wait in practice
+        # It arrived during the step since it was cast: no wait in practice.
+        work.wait()
         return int(self._ballot.numpy()[0])
 
 
@@ -214,7 +217,7 @@ def group_store(rank: int, world_size: int) -> Optional[dist.Store]:
     and a new rank can read a dead peer's address from them before its new peer
     overwrites it (gloo: "connectFullMesh failed ... Connection refused"): each attempt's
     keys are kept apart by a prefix."""
-    if "RANK" not in os.environ:  # not started by torchrun
+    if "RANK" not in os.environ:
         return dist.HashStore()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart == 0:

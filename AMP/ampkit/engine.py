@@ -102,7 +102,8 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, meter
         max_nonfinite = None
     figures = meters.begin_epoch(epoch, info)
     step, stopped_at, data_seconds = start, None, 0.0
-    if stop is not None and stop.before_epoch():  # a signal since the last epoch's steps
+    # A signal since the last epoch's steps: this epoch does not start.
+    if stop is not None and stop.before_epoch():
         return meters.end_epoch(figures, info, epoch=epoch, steps=0, stopped_at=start)
     batches = loader.batches(start * accum_steps) if start else loader
     total = math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__") else None
@@ -110,16 +111,17 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, meter
                        unit="step")
     profiler = meters.profiler(epoch)
     # The bar is closed before any error message, so it is not drawn over.
-    with profiler or contextlib.nullcontext(), bar:  # the bar closes first, then a report
+    with profiler or contextlib.nullcontext(), bar:
         for micro_batches, waited in micro_batches_by_step(batches, accum_steps):
-            data_seconds += waited  # host time waiting for input
+            data_seconds += waited
             losses, norm = train_step(micro_batches)
             figures.add(losses, norm, [y.shape[0] for _, y in micro_batches])
             step += 1
             bar.update(1)
             if profiler is not None:
                 profiler.step()
-            if stop is not None and stop.after_step():  # every rank, at this same step
+            # Every rank learns it at this same step, and all stop together.
+            if stop is not None and stop.after_step():
                 stopped_at = step
                 break
             if step % log_every == 0:

@@ -142,12 +142,14 @@ def load_with_identity(path: Path, map_location: Any = "cpu"
         with open(path, "rb") as f:
             ident = identity(f)
             f.seek(0)
-            with warnings.catch_warnings():  # odd pickle protocols in a foreign file warn first
+            # Odd pickle protocols in a foreign file warn before they fail.
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 obj = torch.load(f, map_location=map_location, weights_only=True)
     except OSError as e:
         raise UserError(f"{path}: cannot read it ({e.strerror or first_line(e)})") from None
-    except Exception as e:  # whatever the unpickler raises on bytes that are not a checkpoint
+    # Whatever the unpickler raises on bytes that are not a checkpoint.
+    except Exception as e:
         raise UserError(f"{path}: {_load_failure(e)}") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         ckpt = dict(obj)
@@ -160,12 +162,9 @@ def load_with_identity(path: Path, map_location: Any = "cpu"
     return ckpt, ident
 
 
-_END_OF_DIRECTORY = struct.Struct("<4s4H2LH")        # zip's end of central directory record
-
-
+# Zip's end of central directory record, and zip64's locator and end record.
+_END_OF_DIRECTORY = struct.Struct("<4s4H2LH")
 _ZIP64_LOCATOR = struct.Struct("<4sLQL")
-
-
 _ZIP64_END = struct.Struct("<4sQ2H2L4Q")
 
 
@@ -189,7 +188,8 @@ def identity(f: BinaryIO) -> Tuple[int, str]:
         return size, digest.hexdigest()
     *_, dir_size, dir_at, _comment = _END_OF_DIRECTORY.unpack_from(tail, end)
     locator = end - _ZIP64_LOCATOR.size
-    if locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":  # zip64: its own record
+    # Zip64 keeps the directory's size and offset in a record of its own.
+    if locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":
         f.seek(_ZIP64_LOCATOR.unpack_from(tail, locator)[2])
         dir_size, dir_at = _ZIP64_END.unpack(f.read(_ZIP64_END.size))[-2:]
     f.seek(dir_at)

@@ -75,14 +75,15 @@ def agreed_path(seen: List[tuple], rank: int) -> Optional[Path]:
     its path."""
     host0, path0, found0, error0, identity0 = seen[0]
     if error0 is not None:
-        raise UserError(error0)  # every rank stops; rank 0 says why
-    if len(seen) == 1:  # one process: loading the file says what is wrong with it
+        raise UserError(error0)
+    # One process: loading the file says what is wrong with it.
+    if len(seen) == 1:
         return Path(path0) if found0 else None
     for other, (host, path, found, error, identity) in enumerate(seen):
-        if found and error is not None:  # it is there, but this rank cannot read it
+        if found and error is not None:
             raise UserError(f"rank {other} on {host}: {error}")
     if not found0:
-        return None  # a new run on every rank
+        return None
     for other, (host, path, found, error, identity) in enumerate(seen):
         if identity != identity0:
             found = (f"cannot use it ({error})" if error is not None
@@ -92,7 +93,7 @@ def agreed_path(seen: List[tuple], rank: int) -> Optional[Path]:
                             f"{found}: the checkpoint folder must be shared by every node "
                             "(--checkpoint on a shared file system), or the same file copied "
                             "to each")
-    return Path(seen[rank][1])  # this rank's own path to the same file
+    return Path(seen[rank][1])
 
 
 def _identity(path: Optional[Path]) -> Tuple[Optional[Tuple[int, str]], Optional[str]]:
@@ -120,8 +121,9 @@ def resume_mismatches(state: dict, args, world_size: int) -> List[str]:
     if root and args.dataset != "FakeData" and \
             Path(root).resolve() != Path(args.dataset_root).resolve():
         diffs.append(f"--dataset_root {root} (this run: {args.dataset_root})")
+    # Older checkpoints have no accum_steps: they did not accumulate.
     world, batch, accum = state.get("world_size"), trained.get("batch_size"), \
-        trained.get("accum_steps", 1)  # older checkpoints: no accumulation
+        trained.get("accum_steps", 1)
     if world is not None and batch is not None:
         if world * batch * accum != world_size * args.batch_size * args.accum_steps:
             diffs.append(f"a global batch of {batch} x {accum} micro-batches x {world} "
@@ -134,18 +136,22 @@ def resume_mismatches(state: dict, args, world_size: int) -> List[str]:
 
 @dataclass
 class Resumed:
-    """Where a run continues: its counters, and the states that wait for ``build()``."""
+    """Where a run continues: its counters; ``state``, the entries that wait for ``build()``
+    (all but the weights); ``trained``, the checkpoint's run's flags; ``identity``, of the
+    bytes loaded (``files.identity``); ``so_far``, a stopped epoch's figures up to its stop;
+    ``streams``, how this rank's random streams go on when not as saved; ``repaired``, what
+    was done to best.pth to match the record (:func:`repair_best`)."""
     path: Optional[Path] = None
     epoch: int = 0
     step: int = 0
     best_acc: float = -1.0
     best_epoch: int = -1
-    state: Dict[str, Any] = field(default_factory=dict)  # the entries' but the weights
-    trained: Dict[str, Any] = field(default_factory=dict)  # the checkpoint's run's flags
-    identity: Optional[Tuple[int, str]] = None  # of the bytes loaded (files.identity)
-    so_far: Optional[Dict[str, Any]] = None  # a stopped epoch's figures up to its stop
-    streams: str = ""  # how this rank's random streams go on, when not as they were saved
-    repaired: str = ""  # what was done to best.pth, to match the record (repair_best)
+    state: Dict[str, Any] = field(default_factory=dict)
+    trained: Dict[str, Any] = field(default_factory=dict)
+    identity: Optional[Tuple[int, str]] = None
+    so_far: Optional[Dict[str, Any]] = None
+    streams: str = ""
+    repaired: str = ""
 
     @property
     def loaded(self) -> Optional[Dict[str, Any]]:
@@ -219,7 +225,8 @@ def _record_of(best: Path) -> Optional[Tuple[int, float]]:
             warnings.simplefilter("ignore")
             state = torch.load(best, map_location="cpu", weights_only=True, mmap=True)
         return int(state["epoch"]), float(state["val_acc"])
-    except Exception:  # missing, truncated, not a checkpoint: nothing that names an epoch
+    # Missing, truncated, not a checkpoint: nothing that names an epoch.
+    except Exception:
         return None
 
 
@@ -240,10 +247,11 @@ def resume(resume_flag: Optional[str], run_dir: Path, network: nn.Module, info: 
     try:
         if path is not None:
             resumed = load_resume(path, args, network, info, run_dir)
-    except UserError as e:  # this rank's: every rank stops, in one line
+    # This rank's failure: every rank stops, in one line.
+    except UserError as e:
         failed = str(e)
     _agree_on_resumed(failed or resumed.loaded, info)
-    if path is None and init_from is not None:  # another run's weights
+    if path is None and init_from is not None:
         checkpoint_files.load_weights_from(network, init_from, "--init_from")
     return resumed
 
@@ -278,7 +286,7 @@ def restore(resumed: Resumed, state: Mapping[str, Any], log, *, args) -> None:
             notes.append(said if isinstance(said, str) else "")
         if resumed.state and isinstance(state.get("optimizer"), torch.optim.Optimizer):
             notes.append(changes(resumed.trained, args, state["optimizer"]))
-    resumed.state = {}  # let go
+    resumed.state = {}
     log.print(start_message(resumed, args.variant, args.epochs, args.init_from,
                             "\n".join(filter(None, notes))))
 

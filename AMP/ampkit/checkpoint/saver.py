@@ -30,7 +30,7 @@ import torch
 from ..distributed import DistInfo, any_rank, gather_from_ranks, rank_random_states, state_dicts
 from ..errors import Interrupted, UserError
 from .files import BEST, LAST, Record, args_to_plain, refusal, strip_prefixes, weights_of
-from .writer import BackgroundWriter, Link, Snapshot, remove_spares, remove_stale_temps
+from .writer import BackgroundWriter, Link, Snapshot, remove_spares
 
 
 def parse_interval(text: str) -> tuple:
@@ -64,21 +64,24 @@ class Saver:
         self.every_epochs, self.every_seconds = parse_interval(save_every)
         self.writer = BackgroundWriter(_describe(resumed.epoch, resumed.step)
                                        if resumed.path is not None else "")
-        self.writing = ""  # what the last save submitted holds
+        # What the last last.pth submitted holds, in words and as (epoch, step): a second
+        # Ctrl-C says it, and a stop at that very point writes nothing more.
+        self.writing, self.last_saved = "", None
         self.snapshots = {"last": Snapshot(), "best": Snapshot()}
-        self.pending_best: Optional[Dict[str, Any]] = None  # a best epoch not yet written
+        # A best epoch between two saves of last.pth waits here, in memory, for the next.
+        self.pending_best: Optional[Dict[str, Any]] = None
         self.last_save = time.perf_counter()
-        self.last_saved: Optional[tuple] = None  # (epoch, step) of the last last.pth submitted
         self.best_acc, self.best_epoch = resumed.best_acc, resumed.best_epoch
-        self.val_acc: Optional[float] = None  # the last epoch's
-        self.timing: dict = {}  # the last save's, for its epoch's row
-        self.stopped_at: Optional[tuple] = None  # (epochs done, step) where a stop saved
+        self.val_acc: Optional[float] = None
+        self.timing: dict = {}
+        self.stopped_at: Optional[tuple] = None
 
     def __enter__(self) -> "Saver":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is KeyboardInterrupt:  # a second Ctrl-C: say what was saved; go
+        # A second Ctrl-C: what was saved, in one line, and the process ends at once.
+        if exc_type is KeyboardInterrupt:
             raise Interrupted(*self._abandon()) from None
 
     def save(self, epochs_done: int, val_acc: float) -> None:
@@ -89,9 +92,10 @@ class Saver:
             self.best_acc, self.best_epoch = val_acc, epochs_done
         time_up = bool(self.every_seconds) and (
             time.perf_counter() - self.last_save >= self.every_seconds)
+        # --save_every 30m: on any rank's clock, so that every rank saves alike.
         due = bool(epochs_done == self.epochs
                    or (self.every_epochs and epochs_done % self.every_epochs == 0)
-                   or any_rank(time_up, self.info))  # --save_every 30m: on any rank's clock
+                   or any_rank(time_up, self.info))
         self.timing = self._save(epochs_done, 0, val_acc, None, due=due,
                                  is_best=self.best_epoch == epochs_done)
 
@@ -102,7 +106,7 @@ class Saver:
         step = stats.stopped_at
         self.stopped_at, self.timing = (epoch, step), {}
         if self.last_saved == (epoch, step):
-            self.writer.wait()  # the save just made is the stop's
+            self.writer.wait()
             return
         val_acc, so_far = (None, stats) if step else (self.val_acc, None)
         self._save(epoch, step, val_acc, so_far, due=True, is_best=False,
@@ -120,9 +124,9 @@ class Saver:
         timing of it for the epoch's log row (rank 0)."""
         if not (is_best or due):
             return {}
-        # The snapshot buffers are the ones the previous save is written from: wait for it.
-        timing = {"save_wait_s": self.writer.wait(),  # 0: the previous save overlapped training
-                  "save_write_s": self.writer.write_seconds}  # how long that write took
+        # The snapshot buffers are the ones the previous save is written from: wait for it
+        # (0 s: that write overlapped training).
+        timing = {"save_wait_s": self.writer.wait(), "save_write_s": self.writer.write_seconds}
         t0 = time.perf_counter()
         state = self._checkpoint(state_dicts(self.state), epoch, step, val_acc, so_far,
                                  resume=due)
@@ -130,12 +134,14 @@ class Saver:
             self.last_save, self.last_saved = time.perf_counter(), (epoch, step)
         if not self.info.is_main:
             return {}
-        if is_best and not due:  # kept in memory until the next save of last.pth
+        if is_best and not due:
             self.pending_best = self.snapshots["best"].take(weights_of(state))
-        if due:  # last.pth first: a best.pth never stands without a last.pth to resume from
+        # last.pth first: a best.pth never stands without a last.pth to resume from.
+        if due:
             last, best = self.run_dir / LAST, self.run_dir / BEST
             files = [(self.snapshots["last"].take(state), last)]
-            if is_best:  # best.pth: a second name for this very file, nothing more written
+            # best.pth: a second name for this very file, nothing more written.
+            if is_best:
                 files.append(Link(last, best, fallback=weights_of(files[0][0])))
             elif self.pending_best is not None:
                 # last.pth first, with the best epoch's weights, which a resume rebuilds
@@ -175,7 +181,7 @@ class Saver:
             return "", False
         path, holds = self.run_dir / LAST, self.writer.landed
         if self.writer.busy:
-            remove_stale_temps(self.run_dir)
+            remove_spares(self.run_dir, temps=True)
             return ((f"{path} still holds {holds}" if holds else f"no {path} was written")
                     + f"; the save of {self.writing} was cut short and not kept", True)
         return (f"{path} holds {holds}; nothing after it was saved" if holds
