@@ -143,8 +143,8 @@ def main(argv=None):
                     compile_in_place(technique.model, mode=args.compile)
                 meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
                                 amp_dtype=amp_dtype, accum_steps=args.accum_steps,
-                                peak_tflops=args.peak_tflops, comm_hook=comm_hook,
-                                fp32_math=fp32_math,
+                                peak_tflops=args.peak_tflops, fp32_math=fp32_math,
+                                comm_hook=comm_hook,
                                 profile_dir=run.dir / "profile" if args.profile else None)
                 log.print(header_line(args.variant, technique, data, run.info, amp_dtype=amp_dtype,
                                       accum_steps=args.accum_steps, clip_grad=args.clip_grad,
