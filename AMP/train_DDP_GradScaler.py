@@ -21,8 +21,8 @@ from torch.utils.data import DistributedSampler
 from ampkit.checkpoint import Saver, restore, resume
 from ampkit.data import build_loaders
 from ampkit.device import choose_device, refuse_unsupported, resolve_amp_dtype, set_cuda_math
-from ampkit.distributed import (GROUP_TIMEOUT, CommHook, group_store, local_main_first,
-                                torchrun_ranks)
+from ampkit.comm_hooks import CommHook
+from ampkit.distributed import GROUP_TIMEOUT, group_store, local_main_first, torchrun_ranks
 from ampkit.engine import Technique, count_correct, train_one_epoch
 from ampkit.flags import parse_train_args
 from ampkit.meters import Meters
@@ -34,18 +34,18 @@ def build(network, criterion, *, device, lr, amp_dtype, clip_grad, comm_hook):
     # A whole replica per process, already on its device (the article wrapped the model,
     # then moved it); backward() averages the gradients over the processes.
     model = DistributedDataParallel(network)
+    # One scaler for the whole run: its scale carries over from step to step.
+    scaler = torch.amp.GradScaler(device.type)
     # What the all-reduce sends, bucket by bucket (--comm_hook): the fp32 gradients by
     # DDP's own all-reduce (in C++: a Python hook would add ~20 ops a step), or a hook's
     # fp16/bf16 cast (half the bytes) or PowerSGD's low-rank factors.
-    if comm_hook.name != "none":
+    if comm_hook is not None:
         model.register_comm_hook(comm_hook.state, comm_hook.hook)
+        # The buckets carry scaled gradients: PowerSGD's error feedback follows the scale
+        # (rescaled as it grows, dropped after a skipped step).
+        comm_hook.follow_scale(scaler)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     autocast = torch.autocast(device.type, dtype=amp_dtype)
-    # One scaler for the whole run: its scale carries over from step to step.
-    scaler = torch.amp.GradScaler(device.type)
-    # The buckets carry scaled gradients: PowerSGD's error feedback follows the scale
-    # (rescaled as it grows, dropped after a skipped step).
-    comm_hook.follow_scale(scaler)
 
     def forward_backward(images, targets, weight):
         # The forward pass and the loss under autocast; backward() needs none, as it
@@ -122,36 +122,30 @@ def main(argv=None):
             resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
                              args=args)
             steps = args.epochs * math.ceil(len(loader) / args.accum_steps)
-            comm_hook = CommHook(args.comm_hook, powersgd_rank=args.powersgd_rank,
-                                 start_iter=args.powersgd_start_iter, run_steps=steps,
-                                 seed=args.seed)
+            comm_hook = None if args.comm_hook == "none" else CommHook(
+                args.comm_hook, powersgd_rank=args.powersgd_rank,
+                start_iter=args.powersgd_start_iter, run_steps=steps, seed=args.seed)
             technique = build(network, torch.nn.CrossEntropyLoss(), device=device, lr=args.start_lr,
                               amp_dtype=amp_dtype, clip_grad=args.clip_grad, comm_hook=comm_hook)
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
 
-            def training_state():
-                # The unwrapped weights, without DDP's "module." prefix; rank 0 alone writes
-                # them (the article saved on every rank, prefix and all).
-                return {"model": technique.model.module.state_dict(),
-                        "optimizer": technique.optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "scaler": technique.scaler.state_dict(),
-                        "comm_hook": comm_hook.state_dict()}
+            # The unwrapped model, without DDP's "module." prefix; rank 0 alone writes it
+            # (the article saved on every rank, prefix and all).
+            state = {"model": technique.model.module, "optimizer": technique.optimizer,
+                     "scheduler": scheduler, "scaler": technique.scaler, "comm_hook": comm_hook}
 
             with (run.logger(resumed, args.epochs) as log,
-                  Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
-                        num_classes=data.num_classes, args=args) as saver,
+                  Saver(run.dir, run.info, resumed, state, save_every=args.save_every,
+                        epochs=args.epochs, num_classes=data.num_classes, args=args) as saver,
                   run.stop_vote(log.print) as vote):
-                restore(resumed, log, args=args, model=technique.model,
-                        optimizer=technique.optimizer, scheduler=scheduler, scaler=technique.scaler,
-                        comm_hook=comm_hook)
+                restore(resumed, state, log, args=args)
                 if args.compile:
                     compile_in_place(technique.model, mode=args.compile)
                 meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
                                 amp_dtype=amp_dtype, accum_steps=args.accum_steps,
-                                peak_tflops=args.peak_tflops, comm_hook=comm_hook,
-                                fp32_math=fp32_math,
+                                peak_tflops=args.peak_tflops, fp32_math=fp32_math,
+                                comm_hook=comm_hook,
                                 profile_dir=run.dir / "profile" if args.profile else None)
                 log.print(header_line(args.variant, technique, data, run.info, amp_dtype=amp_dtype,
                                       accum_steps=args.accum_steps, clip_grad=args.clip_grad,
@@ -161,14 +155,13 @@ def main(argv=None):
                     # The sampler's order for this epoch, the same on every rank.
                     sampler.set_epoch(epoch)
                     technique.model.train()
-                    # No divergence check: the scaler skips a step with inf/NaN gradients.
                     stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
                                             epoch=epoch, start=resumed.step_in(epoch),
-                                            accum_steps=args.accum_steps, max_nonfinite=None,
-                                            stop=vote, log_every=args.log_every,
+                                            accum_steps=args.accum_steps, stop=vote,
+                                            log_every=args.log_every,
                                             desc=f"epoch {epoch + 1}/{args.epochs}")
                     if stats.stopped_at is not None:
-                        saver.save_stop(training_state, epoch, stats)
+                        saver.save_stop(epoch, stats)
                         break
                     counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                            desc="val")
@@ -177,7 +170,7 @@ def main(argv=None):
                     dist.all_reduce(counts)
                     correct, seen = counts.tolist()
                     scheduler.step(correct / seen)
-                    saver.save(training_state, epoch + 1, val_acc=correct / seen)
+                    saver.save(epoch + 1, val_acc=correct / seen)
                     log.epoch(meters.row(epoch, stats, correct, seen) | saver.timing)
                 run.end(meters, saver, vote, log)
     finally:

@@ -91,19 +91,15 @@ def main(argv=None):
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                patience=3)
 
-        def training_state():
-            model = technique.model
-            bare = model.module if isinstance(model, torch.nn.DataParallel) else model
-            return {"model": bare.state_dict(),
-                    "optimizer": technique.optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict()}
+        model = technique.model
+        state = {"model": model.module if isinstance(model, torch.nn.DataParallel) else model,
+                 "optimizer": technique.optimizer, "scheduler": scheduler}
 
         with (run.logger(resumed, args.epochs) as log,
-              Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
-                    num_classes=data.num_classes, args=args) as saver,
+              Saver(run.dir, run.info, resumed, state, save_every=args.save_every,
+                    epochs=args.epochs, num_classes=data.num_classes, args=args) as saver,
               run.stop_vote(log.print) as vote):
-            restore(resumed, log, args=args, model=technique.model, optimizer=technique.optimizer,
-                    scheduler=scheduler)
+            restore(resumed, state, log, args=args)
             if args.compile:
                 compile_in_place(technique.model, mode=args.compile)
             meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
@@ -119,17 +115,17 @@ def main(argv=None):
                 technique.model.train()
                 stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
                                         epoch=epoch, start=resumed.step_in(epoch),
-                                        accum_steps=args.accum_steps, max_nonfinite=5,
-                                        stop=vote, log_every=args.log_every,
+                                        accum_steps=args.accum_steps, stop=vote,
+                                        log_every=args.log_every,
                                         desc=f"epoch {epoch + 1}/{args.epochs}")
                 if stats.stopped_at is not None:
-                    saver.save_stop(training_state, epoch, stats)
+                    saver.save_stop(epoch, stats)
                     break
                 counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                        desc="val")
                 correct, seen = counts.tolist()
                 scheduler.step(correct / seen)
-                saver.save(training_state, epoch + 1, val_acc=correct / seen)
+                saver.save(epoch + 1, val_acc=correct / seen)
                 log.epoch(meters.row(epoch, stats, correct, seen) | saver.timing)
             run.end(meters, saver, vote, log)
     return run.status

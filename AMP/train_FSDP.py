@@ -15,8 +15,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
@@ -112,20 +110,16 @@ def main(argv=None):
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
 
-            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            def training_state():
-                # Every rank gathers the full state of its shards, on rank 0's CPU; rank 0 writes.
-                model, optimizer = technique.model, technique.optimizer
-                return {"model": get_model_state_dict(model, options=full),
-                        "optimizer": get_optimizer_state_dict(model, optimizer, options=full),
-                        "scheduler": scheduler.state_dict()}
+            # Each save gathers the shards' full state on rank 0's CPU, which alone writes
+            # (get_model_state_dict); a resume shards it again.
+            state = {"model": technique.model, "optimizer": technique.optimizer,
+                     "scheduler": scheduler}
 
             with (run.logger(resumed, args.epochs) as log,
-                  Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
-                        num_classes=data.num_classes, args=args) as saver,
+                  Saver(run.dir, run.info, resumed, state, save_every=args.save_every,
+                        epochs=args.epochs, num_classes=data.num_classes, args=args) as saver,
                   run.stop_vote(log.print) as vote):
-                restore(resumed, log, args=args, model=technique.model,
-                        optimizer=technique.optimizer, scheduler=scheduler)
+                restore(resumed, state, log, args=args)
                 if args.compile:
                     compile_in_place(technique.model, mode=args.compile)
                 meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
@@ -142,11 +136,11 @@ def main(argv=None):
                     technique.model.train()
                     stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
                                             epoch=epoch, start=resumed.step_in(epoch),
-                                            accum_steps=args.accum_steps, max_nonfinite=5,
-                                            stop=vote, log_every=args.log_every,
+                                            accum_steps=args.accum_steps, stop=vote,
+                                            log_every=args.log_every,
                                             desc=f"epoch {epoch + 1}/{args.epochs}")
                     if stats.stopped_at is not None:
-                        saver.save_stop(training_state, epoch, stats)
+                        saver.save_stop(epoch, stats)
                         break
                     counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                            desc="val")
@@ -155,7 +149,7 @@ def main(argv=None):
                     dist.all_reduce(counts)
                     correct, seen = counts.tolist()
                     scheduler.step(correct / seen)
-                    saver.save(training_state, epoch + 1, val_acc=correct / seen)
+                    saver.save(epoch + 1, val_acc=correct / seen)
                     log.epoch(meters.row(epoch, stats, correct, seen) | saver.timing)
                 run.end(meters, saver, vote, log)
     finally:

@@ -84,19 +84,17 @@ def main(argv=None):
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                patience=3)
 
-        # What a checkpoint holds: every entry is saved, beside the run's record, and a
-        # --resume loads each back into the object restore() names for it.
-        def training_state():
-            return {"model": technique.model.state_dict(),
-                    "optimizer": technique.optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict()}
+        # What a checkpoint holds, named once: the Saver saves each entry's state_dict()
+        # beside the run's record, a --resume loads each back into the object of its
+        # name (the weights into the bare network, before build() wraps it).
+        state = {"model": technique.model, "optimizer": technique.optimizer,
+                 "scheduler": scheduler}
 
         with (run.logger(resumed, args.epochs) as log,
-              Saver(run.dir, run.info, resumed, save_every=args.save_every, epochs=args.epochs,
-                    num_classes=data.num_classes, args=args) as saver,
+              Saver(run.dir, run.info, resumed, state, save_every=args.save_every,
+                    epochs=args.epochs, num_classes=data.num_classes, args=args) as saver,
               run.stop_vote(log.print) as vote):
-            restore(resumed, log, args=args, model=technique.model, optimizer=technique.optimizer,
-                    scheduler=scheduler)
+            restore(resumed, state, log, args=args)
             if args.compile:
                 compile_in_place(technique.model, mode=args.compile)
             meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
@@ -113,22 +111,22 @@ def main(argv=None):
                 technique.model.train()
                 # The loss is read on the host every --log_every steps, not every step (the
                 # article's .item() made the host wait for the GPU at each); 5 inf/NaN losses
-                # in a row end the run.
+                # in a row end the run (a GradScaler's run skips those steps instead).
                 stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
                                         epoch=epoch, start=resumed.step_in(epoch),
-                                        accum_steps=args.accum_steps, max_nonfinite=5,
-                                        stop=vote, log_every=args.log_every,
+                                        accum_steps=args.accum_steps, stop=vote,
+                                        log_every=args.log_every,
                                         desc=f"epoch {epoch + 1}/{args.epochs}")
                 # A stop signal (a scheduler's SIGTERM, Ctrl-C): last.pth saved where it
                 # stopped, for --resume.
                 if stats.stopped_at is not None:
-                    saver.save_stop(training_state, epoch, stats)
+                    saver.save_stop(epoch, stats)
                     break
                 counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                        desc="val")
                 correct, seen = counts.tolist()
                 scheduler.step(correct / seen)
-                saver.save(training_state, epoch + 1, val_acc=correct / seen)
+                saver.save(epoch + 1, val_acc=correct / seen)
                 log.epoch(meters.row(epoch, stats, correct, seen) | saver.timing)
             run.end(meters, saver, vote, log)
     return run.status

@@ -3,6 +3,7 @@ writer, the --save_every policy, atomic writes through a spare file, one space c
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,11 +148,11 @@ def test_best_is_a_second_name_that_the_next_saves_leave_alone(tmp_path):
     assert kept["epoch"] == 1 and torch.equal(kept["w"], torch.ones(1000))
 
 
-def test_an_entry_added_to_training_state_is_saved_and_resumed_by_its_name(tmp_path, capsys):
-    """The script's training_state() is the checkpoint: an entry a user adds to it (an EMA of
-    the weights, say) is saved whole beside the run's record, and a resume loads it back into
-    the object restore() is given by the same name; an entry no object takes is said in
-    the resume's lines, not dropped in silence."""
+def test_an_entry_added_to_the_state_is_saved_and_resumed_by_its_name(tmp_path, capsys):
+    """The script's state (name -> object) is the checkpoint: an entry a user adds to it (an
+    EMA of the weights, say) is one line, saved beside the run's record and loaded back into
+    the object of the same name by a resume; an entry no object takes is said in the
+    resume's lines, not dropped in silence, and one missing from the checkpoint starts anew."""
     from torch import nn
 
     from ampkit.checkpoint import LAST, Saver, restore, resume
@@ -164,42 +165,90 @@ def test_an_entry_added_to_training_state_is_saved_and_resumed_by_its_name(tmp_p
     run_dir.mkdir()
     flags = ["--dataset", "FakeData", "--checkpoint", str(tmp_path), "--epochs", "2"]
 
-    def objects(seed: int):
+    def objects(seed: int, **extra):
         torch.manual_seed(seed)
-        network, ema = nn.Linear(4, 3), nn.Linear(4, 3)  # the EMA: a second set of weights
-        return network, torch.optim.AdamW(network.parameters(), lr=1e-3), ema
+        network = nn.Linear(4, 3)
+        return {"model": network, "optimizer": torch.optim.AdamW(network.parameters(), lr=1e-3),
+                **extra}
 
-    network, optimizer, ema = objects(0)
-    resumed = resume(None, run_dir, network, info, init_from=None,
+    state = objects(0, ema=nn.Linear(4, 3))  # the EMA: a second set of weights
+    resumed = resume(None, run_dir, state["model"], info, init_from=None,
                      args=parse_train_args("train_without", flags))
-    with Saver(run_dir, info, resumed, save_every="1", epochs=2, num_classes=3,
+    with Saver(run_dir, info, resumed, state, save_every="1", epochs=2, num_classes=3,
                args=parse_train_args("train_without", flags)) as saver:
-        saver.save(lambda: {"model": network.state_dict(), "optimizer": optimizer.state_dict(),
-                            "ema": ema.state_dict()}, 1, val_acc=0.5)
+        saver.save(1, val_acc=0.5)
         saver.finish()
     assert torch.equal(torch.load(run_dir / LAST, weights_only=True)["ema"]["weight"],
-                       ema.weight)
+                       state["ema"].weight)
 
     args = parse_train_args("train_without", flags + ["--resume"])
     for given in (True, False):
-        network2, optimizer2, ema2 = objects(1)
-        resumed = resume("auto", run_dir, network2, info, init_from=None, args=args)
-        restore(resumed, RunLogger(True), args=args, model=network2, optimizer=optimizer2,
-                **({"ema": ema2} if given else {}))
-        assert torch.equal(network2.weight, network.weight)
-        assert torch.equal(ema2.weight, ema.weight) == given
+        state2 = objects(1, **({"ema": nn.Linear(4, 3)} if given else {}))
+        resumed = resume("auto", run_dir, state2["model"], info, init_from=None, args=args)
+        restore(resumed, state2, RunLogger(True), args=args)
+        assert torch.equal(state2["model"].weight, state["model"].weight)
+        if given:
+            assert torch.equal(state2["ema"].weight, state["ema"].weight)
         said = capsys.readouterr().out
         assert ("the checkpoint's 'ema' is not restored" in said) != given, said
 
-    # An object the checkpoint holds nothing for starts anew, and says so; a saved state that
-    # does not fit its object is one line, not a traceback.
-    network3, optimizer3, _ = objects(2)
-    resumed = resume("auto", run_dir, network3, info, init_from=None, args=args)
-    restore(resumed, RunLogger(True), args=args, model=network3, optimizer=optimizer3,
-            swa=nn.Linear(4, 3))
-    assert "swa starts anew: the checkpoint holds none" in capsys.readouterr().out
-    network4, optimizer4, _ = objects(3)
-    resumed = resume("auto", run_dir, network4, info, init_from=None, args=args)
+    # An object the checkpoint holds nothing for starts anew, and says so (no KeyError, an
+    # optimizer missing too); a saved state that does not fit its object is one line.
+    state3 = objects(2, swa=nn.Linear(4, 3))
+    del state3["optimizer"]
+    resumed = resume("auto", run_dir, state3["model"], info, init_from=None, args=args)
+    restore(resumed, state3, RunLogger(True), args=args)
+    said = capsys.readouterr().out
+    assert "swa starts anew: the checkpoint holds none" in said
+    assert "the checkpoint's 'optimizer' is not restored" in said
+    state4 = objects(3, ema=nn.Linear(4, 5))
+    resumed = resume("auto", run_dir, state4["model"], info, init_from=None, args=args)
     with pytest.raises(UserError, match=r"its 'ema' does not fit this run's ema \(.*size"):
-        restore(resumed, RunLogger(True), args=args, model=network4, optimizer=optimizer4,
-                ema=nn.Linear(4, 5))
+        restore(resumed, state4, RunLogger(True), args=args)
+
+
+class _Unsafe:
+    """A state whose state_dict() holds a Python object weights_only loading refuses."""
+
+    def state_dict(self):
+        return {"when": Path("/tmp")}
+
+    def load_state_dict(self, saved):
+        pass
+
+
+@pytest.mark.parametrize("entry,why", [
+    (_Unsafe(), r"'bad' \(_Unsafe\) cannot be saved and loaded back with "
+                r"torch.load\(weights_only=True\): its state_dict\(\) holds pathlib"),
+    (object(), r"'bad' \(object\) has no state_dict\(\) and load_state_dict\(\)"),
+])
+def test_an_entry_that_cannot_be_loaded_safely_is_refused_as_the_run_starts(
+        tmp_path, entry, why, monkeypatch):
+    """An entry whose state a weights_only load would refuse (or that has no state dict) is
+    one line as the Saver is made -- before any epoch is spent, not at the first save -- and
+    on every rank alike: a rank whose own entry passes stops too, naming the rank that
+    refused."""
+    from torch import nn
+
+    from ampkit.checkpoint import Resumed, Saver, saver as saver_module
+    from ampkit.distributed import DistInfo
+    from ampkit.errors import UserError
+    from ampkit.flags import parse_train_args
+
+    args = parse_train_args("train_without", ["--dataset", "FakeData"])
+    network = nn.Linear(4, 3)
+
+    def make(state, info):
+        return Saver(tmp_path, info, Resumed(), state, save_every="1", epochs=1,
+                     num_classes=3, args=args)
+
+    make({"model": network, "scheduler": None}, DistInfo(torch.device("cpu")))  # None: skipped
+    with pytest.raises(UserError, match=why):
+        make({"model": network, "bad": entry}, DistInfo(torch.device("cpu")))
+    with pytest.raises(UserError, match="must name the weights 'model'.*: it names epoch"):
+        make({"model": network, "epoch": network}, DistInfo(torch.device("cpu")))
+    # Rank 0 of two, whose own state is fine, hears rank 1's refusal through the gather.
+    rank1 = saver_module.refusal({"model": network, "bad": entry})
+    monkeypatch.setattr(saver_module, "gather_from_ranks", lambda items, info: items + [rank1])
+    with pytest.raises(UserError, match="rank 1: .*" + why):
+        make({"model": network}, DistInfo(torch.device("cpu"), rank=0, world_size=2))

@@ -418,10 +418,12 @@ def test_nonfinite_loss_without_scaler_stops_with_clear_error():
 
 
 def test_nonfinite_with_scaler_counts_skipped_steps():
+    """Where the technique's scaler runs, inf/NaN steps are skipped, not a divergence: the
+    check is off without the script saying so again."""
     from ampkit.engine import train_one_epoch
 
     step, batches, info, meters = _nan_model_run("train_GradScaler")
-    stats = train_one_epoch(step, batches, info, log_every=4, max_nonfinite=None, meters=meters)
+    stats = train_one_epoch(step, batches, info, log_every=4, meters=meters)
     assert stats.steps == 8 and stats.skipped == 8 and stats.nonfinite == 8
 
 

@@ -67,11 +67,28 @@ def test_powersgd_counts_its_bytes_and_a_resume_says_what_restarts(imagefolder_r
     assert _rows(run_dir)[-1]["wire_mb_per_step"] == pytest.approx(params_mb)
 
 
+def test_comm_hook_none_builds_no_hook_and_counts_ddps_own_all_reduce(
+        imagefolder_root, tmp_path, monkeypatch):
+    """--comm_hook none: no hook object at all (DDP's own all-reduce, in C++); the epoch's row
+    still says what it sent, every gradient in float32."""
+    from ampkit.comm_hooks import CommHook
+
+    def built(*_, **__):
+        raise AssertionError("a CommHook was built for --comm_hook none")
+
+    monkeypatch.setattr(CommHook, "__init__", built)
+    res = run_main("train_DDP", *tiny_args(tmp_path, imagefolder_root), "--arch", FAST_ARCH)
+    assert res.returncode == 0, res.describe()
+    (row,) = _rows(tmp_path / "checkpoint" / "train_DDP")
+    params_mb = sum(p.numel() for p in build_model(FAST_ARCH, 3).parameters()) * 4 / 1e6
+    assert row["comm_hook"] == "none" and row["wire_mb_per_step"] == pytest.approx(params_mb)
+
+
 def test_powersgd_keeps_its_warm_up_when_a_resume_trains_longer():
     """The default warm-up is 10 % of the run's optimizer steps: a resume with more --epochs
     keeps the saved one (else a compressed run would go back to plain all-reduce), and says
     so; one given by --powersgd_start_iter is this run's, which the changed-flags line names."""
-    from ampkit.distributed import CommHook
+    from ampkit.comm_hooks import CommHook
 
     saved = CommHook("powersgd", run_steps=30).state_dict()  # warm-up: 3 steps
     saved["iter"] = 5  # compressing already

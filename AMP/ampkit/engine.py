@@ -97,11 +97,15 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, meter
     count optimizer steps. ``stop``: the ranks' vote (``ampkit.stop.StopVote``), taken before
     the epoch (for a signal since the last one) and after every step (no host sync); when
     it says so, the epoch ends there on every rank (``TrainStats.stopped_at``).
-    ``max_nonfinite=None``: no divergence check (a GradScaler skips the bad steps instead).
-    The figures returned include a resumed epoch's before its stop."""
+    ``max_nonfinite`` inf/NaN losses in a row end the run, unless a GradScaler runs (the
+    technique's scaler, which ``meters`` were made with: it skips those steps instead) or
+    it is None. The figures returned include a resumed epoch's before its stop."""
+    if meters.scaled:
+        max_nonfinite = None
     figures = meters.begin_epoch(epoch, info)
     step, stopped_at, data_seconds = start, None, 0.0
-    if stop is not None and stop.before_epoch():  # a signal since the last epoch's steps
+    # A signal since the last epoch's steps: this epoch does not start.
+    if stop is not None and stop.before_epoch():
         return meters.end_epoch(figures, info, epoch=epoch, steps=0, stopped_at=start)
     batches = loader.batches(start * accum_steps) if start else loader
     total = math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__") else None
@@ -109,16 +113,17 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, meter
                        unit="step")
     profiler = meters.profiler(epoch)
     # The bar is closed before any error message, so it is not drawn over.
-    with profiler or contextlib.nullcontext(), bar:  # the bar closes first, then a report
+    with profiler or contextlib.nullcontext(), bar:
         for micro_batches, waited in micro_batches_by_step(batches, accum_steps):
-            data_seconds += waited  # host time waiting for input
+            data_seconds += waited
             losses, norm = train_step(micro_batches)
             figures.add(losses, norm, [y.shape[0] for _, y in micro_batches])
             step += 1
             bar.update(1)
             if profiler is not None:
                 profiler.step()
-            if stop is not None and stop.after_step():  # every rank, at this same step
+            # Every rank learns it at this same step, and all stop together.
+            if stop is not None and stop.after_step():
                 stopped_at = step
                 break
             if step % log_every == 0:

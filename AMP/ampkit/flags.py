@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .device import DEVICES
-from .distributed import HOOKS
+from .comm_hooks import HOOKS
 from .errors import UserError
 from .models import check_arch_flags, check_dp_scope
 

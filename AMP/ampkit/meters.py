@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from .device import (HOST_READ, memory_kind, peak_memory_mb, reset_peak_memory, run_peak, slow_bf16,
@@ -182,9 +183,9 @@ class StepMeters:
 class Meters(StepMeters):
     """The figures of a run's epochs (module docstring), for ``train_one_epoch`` and the
     epoch's log row. ``technique``: the script's (its model, optimizer and scaler);
-    ``comm_hook``: DDP's, whose bytes are counted; ``arch``: the network's name, whose FLOPs
-    per image are counted on the meta device; ``profile_dir``: --profile's traces (None:
-    none); ``peak_tflops``: --peak_tflops (None: by GPU name)."""
+    ``comm_hook``: DDP's (None: its own all-reduce), whose bytes are counted; ``arch``: the
+    network's name, whose FLOPs per image are counted on the meta device; ``profile_dir``:
+    --profile's traces (None: none); ``peak_tflops``: --peak_tflops (None: by GPU name)."""
 
     def __init__(self, technique, data, info: DistInfo, resumed, log, *, arch: str,
                  amp_dtype: Optional[torch.dtype], accum_steps: int, comm_hook=None,
@@ -193,6 +194,7 @@ class Meters(StepMeters):
         self.technique, self.data, self.info, self.resumed, self.log = (technique, data, info,
                                                                         resumed, log)
         self.comm_hook = comm_hook
+        self.ddp = isinstance(technique.model, DistributedDataParallel)
         self.global_batch = data.batch_size * accum_steps * info.world_size
         profiler = (StepProfiler(profile_dir / f"trace_rank{info.rank}.json", info.device,
                                  say=log.print) if profile_dir is not None else None)
@@ -254,12 +256,23 @@ class Meters(StepMeters):
         row |= {"grad_scale": scaler.get_scale()} if scaler is not None else {}
         row |= achieved(stats.images * self.flops_per_image, stats.seconds, self.peak,
                         self.devices)
-        return row | (self.comm_hook.per_step(self.technique.model)
-                      if self.comm_hook is not None else {})
+        return row | (wire_per_step(self.technique.model, self.comm_hook) if self.ddp else {})
 
     def mean(self) -> dict:
         """The run's achieved TFLOP/s over its training time (and share of the peak)."""
         return achieved(self.train_flops, self.train_seconds, self.peak, self.devices)
+
+
+def wire_per_step(model: nn.Module, hook) -> Dict[str, Any]:
+    """What this rank sent per all-reduce round (one an optimizer step) over DDP's ``model``,
+    in MB, for the epoch's row: ``hook``'s count (--comm_hook; {} before its first round), or
+    without one DDP's own all-reduce, which sends every gradient in float32 each round."""
+    if hook is None:
+        sent = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return {"comm_hook": "none", "wire_mb_per_step": sent / 1e6}
+    if not hook.rounds:
+        return {}
+    return {"comm_hook": hook.name, "wire_mb_per_step": hook.bytes_sent / hook.rounds / 1e6}
 
 
 def report_unreadable(say: Callable[[str], None], unreadable: list) -> int:

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ampkit.distributed import HOOKS
+from ampkit.comm_hooks import HOOKS
 from ampkit.errors import UserError
 from ampkit.flags import (AMP_DTYPES, COMPILE_MODES, CUDA_GRAPHS_ACCUM, DATA_DIR, Parser,
                           add_device_flags)

@@ -15,7 +15,7 @@ variants run as a one-process group, or in torchrun's (``DDPGroup``).
   own: ``peak_tflops`` (fp16/bf16) for the autocast variants, ``peak_tflops_fp32`` for
   the fp32 ones, whose math on CUDA is labelled (``fp32_math``: TF32 or true fp32).
 - DDP's ``comm_hook`` (``--comm_hook`` of the DDP scripts): the bytes this rank sent per
-  step, counted by :class:`ampkit.distributed.CommHook` over the timed steps.
+  step, counted by :class:`ampkit.comm_hooks.CommHook` over the timed steps.
 
 Traces: ``profile`` records a few more steps (``ampkit.meters.StepProfiler``).
 """
@@ -33,14 +33,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ampkit.comm_hooks import CommHook
 from ampkit.device import (choose_device, memory_kind, peak_memory_mb, reset_peak_memory,
                            resolve_amp_dtype, synchronize)
-from ampkit.distributed import CommHook, group_store, torchrun_ranks
+from ampkit.distributed import group_store, torchrun_ranks
 from ampkit.distributed import Ballots, DistInfo, this_process
 from ampkit.engine import train_one_epoch
 from ampkit.errors import UserError
 from ampkit.models import training_flops_per_image
-from ampkit.meters import StepMeters
+from ampkit.meters import StepMeters, wire_per_step
 from ampkit.models import build_model, compile_in_place
 from ampkit.meters import StepProfiler
 from ampkit.stop import StopFlag, StopVote
@@ -159,13 +160,11 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
                     profile: Optional[Path] = None, busy: bool = False,
                     comm_hook: str = "none", powersgd_rank: int = 1) -> StepResult:
     """Time ``steps`` optimizer steps of ``variant``'s own ``build()`` after ``warmup``
-    uncounted ones, each over ``accum_steps`` micro-batches of ``batch_size``.
-    ``channels_last``, ``compile``, ``dp_scope`` and ``accum_steps`` are the training flags
-    of those names; ``keep_sync``: DDP all-reduces every micro-batch (no ``no_sync``: what it
-    saves); ``comm_hook``: a DDP variant's --comm_hook (PowerSGD compresses from the third
-    step: warm-up 2 or more times it); ``fp32_math`` labels the fp32 variants on CUDA (``device.set_tf32``'s);
-    ``profile``: after the timing, a few more steps traced (:class:`StepProfiler`); ``busy``
-    (CUDA): 10 more, and their share of time in kernels (:func:`gpu_busy_share`)."""
+    uncounted ones, each of ``accum_steps`` micro-batches of ``batch_size`` (training flags:
+    ``channels_last``, ``compile``, ``dp_scope``); ``keep_sync``: no DDP ``no_sync``;
+    ``comm_hook``: --comm_hook (PowerSGD compresses from the third step: warm-up 2 or more);
+    ``fp32_math`` labels fp32 on CUDA; ``profile``: a few more steps traced after the timing;
+    ``busy`` (CUDA): 10 more, and their share of time in kernels (:func:`gpu_busy_share`)."""
     info, res = _result(variant, device, ddp, arch=arch, batch_size=batch_size,
                         img_size=img_size, warmup=warmup, steps=steps, accum_steps=accum_steps,
                         channels_last=channels_last, compiled=compile or "", dp_scope=dp_scope)
@@ -173,7 +172,8 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
         res.fp32_math = fp32_math
     if keep_sync:
         res.note += "; DDP all-reduces every micro-batch (no no_sync)"
-    hook = CommHook(comm_hook, powersgd_rank=powersgd_rank, start_iter=2)
+    hook = None if comm_hook == "none" else CommHook(comm_hook, powersgd_rank=powersgd_rank,
+                                                     start_iter=2)
     t, pool, flops = _built(variant, res, device, num_classes, lr, amp_dtype, hook)
     meters = StepMeters(t.scaler)  # the skipped steps, counted as in training
     vote = StopVote(StopFlag(), Ballots(info))  # as in training: the ranks' vote every step
@@ -187,7 +187,8 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     if warmup > 0:
         run(warmup, desc=f"{variant} warm-up")
     _reset_peaks(device, res)
-    hook.reset_counts()
+    if hook is not None:
+        hook.reset_counts()
     # log_every past the last step: the loop's host read would sync while timed.
     seconds, stats = _timed(lambda: run(steps, desc=variant, log_every=steps + 1), device)
     res.peak_mem_mb = peak_memory_mb(device, all_gpus=res.parallel == "dp")
@@ -196,7 +197,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     res.gflop_per_step = flops * accum_steps * info.world_size / 1e9
     res.achieved_tflops = res.gflop_per_step * steps / seconds / 1e3
     if res.parallel == "ddp":  # counted as each bucket went, over the timed steps
-        res.comm_hook, wire = comm_hook, hook.per_step(t.model)
+        res.comm_hook, wire = comm_hook, wire_per_step(t.model, hook)
         res.wire_mb_per_step = wire.get("wire_mb_per_step")
     if busy and device.type == "cuda":
         res.gpu_busy = gpu_busy_share(lambda: run(10, desc="busy", log_every=11), device)
@@ -211,7 +212,7 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
 
 
 def _built(variant: str, res: StepResult, device: torch.device, num_classes: int, lr: float,
-           amp_dtype: Optional[str], hook: CommHook) -> tuple:
+           amp_dtype: Optional[str], hook: Optional[CommHook]) -> tuple:
     """(the variant's Technique, a pool of synthetic batches on the device, the FLOPs of one
     micro-batch's forward and backward)."""
     torch.manual_seed(0)

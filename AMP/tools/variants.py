@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from ampkit.device import resolve_amp_dtype
-from ampkit.distributed import CommHook
 from ampkit.flags import DEFAULT_LR
 
 DISTRIBUTED = ("ddp", "fsdp")  # one process per device, started by torchrun
@@ -54,7 +53,7 @@ def build_variant(script: str, network: nn.Module, criterion: Optional[nn.Module
     """``script``'s own ``build()`` of ``network`` (the technique a tool times or a test checks),
     given the named values its signature takes of ``values`` (``device``: the network's by
     default; ``lr``; ``amp_dtype``, a dtype or its name, the device's default if left out;
-    ``clip_grad``; ``dp_scope``; ``comm_hook``, none by default; ``reduce_dtype``), and FSDP2's
+    ``clip_grad``; ``dp_scope``; ``comm_hook``, None by default (DDP's own all-reduce); ``reduce_dtype``), and FSDP2's
     mixed precision's loss scaling as its main() decides it: where float16 is anywhere."""
     module = importlib.import_module(script)
     takes = inspect.signature(module.build).parameters
@@ -66,7 +65,7 @@ def build_variant(script: str, network: nn.Module, criterion: Optional[nn.Module
     values["reduce_dtype"] = getattr(torch, reduce) if isinstance(reduce, str) else reduce
     values.setdefault("loss_scaling", torch.float16 in (values["amp_dtype"],
                                                         values["reduce_dtype"]))
-    values = {"clip_grad": None, "dp_scope": "model", "comm_hook": CommHook()} | values
+    values = {"clip_grad": None, "dp_scope": "model", "comm_hook": None} | values
     values["lr"] = DEFAULT_LR if values.get("lr") is None else values["lr"]
     return module.build(network, criterion or nn.CrossEntropyLoss(),
                         **{k: v for k, v in values.items() if k in takes})

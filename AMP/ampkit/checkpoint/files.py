@@ -1,5 +1,5 @@
-"""Checkpoints on disk, read: their names and layout (the script's training state beside the
-run's record), finding one, loading it safely, its identity.
+"""Checkpoints on disk, read: their names and layout (the script's state beside the run's
+record), what may be in one, finding one, loading it safely, its identity.
 
 - A wrapper's segment left in a key (``module.``, ``_orig_mod.``) is dropped on save and on
   load: any eval script loads any variant's checkpoint, older files included.
@@ -10,12 +10,16 @@ run's record), finding one, loading it safely, its identity.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
+import io
 import os
+import re
 import struct
 import warnings
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, Optional, Tuple
+from typing import Any, BinaryIO, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -25,12 +29,26 @@ from ..errors import UserError, first_line
 LAST, BEST = "last.pth", "best.pth"
 
 
-# A checkpoint is the script's training_state() -- "model" (the unwrapped weights), and
-# whatever else it returns -- beside the run's record: where the run stands and what it
-# was (RECORD), and what only a resume needs (RESUMING: every rank's random streams, a
-# stopped epoch's figures so far, the weights of a best epoch best.pth does not hold yet).
-RECORD = ("epoch", "step", "best_acc", "best_epoch", "val_acc", "arch", "num_classes",
-          "variant", "world_size", "args", "torch_version")
+# A checkpoint is each entry of the script's state by name -- "model" (the unwrapped
+# weights), and whatever else it names -- beside the run's record: where the run stands and
+# what it was (Record), and what only a resume needs (RESUMING: every rank's random streams,
+# a stopped epoch's figures so far, the weights of a best epoch best.pth does not hold yet).
+@dataclasses.dataclass
+class Record:
+    epoch: int
+    step: int
+    best_acc: float
+    best_epoch: int
+    val_acc: Optional[float]
+    arch: str
+    num_classes: int
+    variant: str
+    world_size: int
+    args: dict
+    torch_version: str
+
+
+RECORD = tuple(f.name for f in dataclasses.fields(Record))
 RESUMING = ("rng", "epoch_so_far", "best_model")
 
 
@@ -39,9 +57,53 @@ def weights_of(state: Dict[str, Any]) -> Dict[str, Any]:
     return {k: x for k, x in state.items() if k == "model" or k in RECORD}
 
 
-def training_state_of(state: Dict[str, Any]) -> Dict[str, Any]:
-    """A checkpoint's training_state() entries but its weights (loaded before ``build()``)."""
+def entries_of(state: Dict[str, Any]) -> Dict[str, Any]:
+    """A checkpoint's entries but its weights (loaded before ``build()``) and its record."""
     return {k: x for k, x in state.items() if k != "model" and k not in RECORD + RESUMING}
+
+
+def refusal(state: Mapping[str, Any]) -> str:
+    """Why the script's ``state`` (name -> object) cannot be checkpointed, in one line; ""
+    if it can. Each entry needs ``state_dict()`` and ``load_state_dict()``, and what it
+    saves must load back under ``weights_only=True`` (tried at once on a copy whose tensors
+    are empty, so a run learns it at its start, not at its first save)."""
+    clash = sorted(set(state) & set(RECORD + RESUMING))
+    if "model" not in state or clash:
+        return (f"the checkpoint's state must name the weights 'model' and no entry the run's "
+                f"record keeps ({', '.join(RECORD + RESUMING)})"
+                + (f": it names {', '.join(clash)}" if clash else ""))
+    for name, obj in state.items():
+        if obj is None:  # no such object in this run (a scaler that does not run)
+            continue
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):
+            return (f"the checkpoint's {name!r} ({type(obj).__name__}) has no state_dict() "
+                    "and load_state_dict()")
+        buffer = io.BytesIO()
+        try:
+            torch.save(_skeleton(obj.state_dict()), buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+        except Exception as e:
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            why = f"holds {found[1]}" if found else first_line(e)
+            return (f"the checkpoint's {name!r} ({type(obj).__name__}) cannot be saved and "
+                    f"loaded back with torch.load(weights_only=True): its state_dict() {why}")
+    return ""
+
+
+def _skeleton(obj: Any) -> Any:
+    """``obj`` with every tensor an empty one of its dtype: what the unpickler judges."""
+    if isinstance(obj, torch.Tensor):
+        return torch.empty(0, dtype=obj.dtype)
+    if type(obj) in (list, tuple):
+        return type(obj)(_skeleton(v) for v in obj)
+    if isinstance(obj, dict):
+        # Its own type (OrderedDict, defaultdict, ...), which the unpickler judges too.
+        out = copy.copy(obj)
+        out.update((k, _skeleton(v)) for k, v in obj.items())
+        return out
+    return obj
 
 
 def args_to_plain(args) -> dict:
@@ -80,12 +142,14 @@ def load_with_identity(path: Path, map_location: Any = "cpu"
         with open(path, "rb") as f:
             ident = identity(f)
             f.seek(0)
-            with warnings.catch_warnings():  # odd pickle protocols in a foreign file warn first
+            # Odd pickle protocols in a foreign file warn before they fail.
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 obj = torch.load(f, map_location=map_location, weights_only=True)
     except OSError as e:
         raise UserError(f"{path}: cannot read it ({e.strerror or first_line(e)})") from None
-    except Exception as e:  # whatever the unpickler raises on bytes that are not a checkpoint
+    # Whatever the unpickler raises on bytes that are not a checkpoint.
+    except Exception as e:
         raise UserError(f"{path}: {_load_failure(e)}") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         ckpt = dict(obj)
@@ -98,12 +162,9 @@ def load_with_identity(path: Path, map_location: Any = "cpu"
     return ckpt, ident
 
 
-_END_OF_DIRECTORY = struct.Struct("<4s4H2LH")        # zip's end of central directory record
-
-
+# Zip's end of central directory record, and zip64's locator and end record.
+_END_OF_DIRECTORY = struct.Struct("<4s4H2LH")
 _ZIP64_LOCATOR = struct.Struct("<4sLQL")
-
-
 _ZIP64_END = struct.Struct("<4sQ2H2L4Q")
 
 
@@ -127,7 +188,8 @@ def identity(f: BinaryIO) -> Tuple[int, str]:
         return size, digest.hexdigest()
     *_, dir_size, dir_at, _comment = _END_OF_DIRECTORY.unpack_from(tail, end)
     locator = end - _ZIP64_LOCATOR.size
-    if locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":  # zip64: its own record
+    # Zip64 keeps the directory's size and offset in a record of its own.
+    if locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":
         f.seek(_ZIP64_LOCATOR.unpack_from(tail, locator)[2])
         dir_size, dir_at = _ZIP64_END.unpack(f.read(_ZIP64_END.size))[-2:]
     f.seek(dir_at)

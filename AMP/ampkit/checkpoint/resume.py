@@ -6,8 +6,8 @@ torchrun restart, which continues from last.pth by itself), chosen by rank 0 and
 every rank; whether it fits this run (variant, data, image size and global batch, and
 mid-epoch the world size, must match: what differs is said in one line); its weights into
 the bare network and this rank's random streams back; every rank must have read the same
-bytes. ``restore``: each other entry of the script's ``training_state()`` back into the
-object of its name, by its ``load_state_dict`` (the optimizer's: FSDP2's sharded again); where
+bytes. ``restore``: each other entry back into the object of its name in the script's
+``state``, by its ``load_state_dict`` (the optimizer's: FSDP2's sharded again); where
 the run starts, the flags it changes against the checkpoint's run, and an entry no object
 took, said. :class:`Resumed` then says where each epoch starts.
 Every rank makes both calls, together.
@@ -18,18 +18,17 @@ import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from ..distributed import (CommHook, DistInfo, gather_from_ranks, load_optimizer_state,
-                           torchrun_attempt)
+from ..distributed import DistInfo, gather_from_ranks, load_state, torchrun_attempt
 from ..errors import UserError
 from ..flags import DEFAULT_LR
 from ..randomness import restore_random_state
 from . import files as checkpoint_files
-from .files import plain, training_state_of
+from .files import entries_of, plain
 from .writer import Link, atomic_save, link_or_write
 
 
@@ -88,13 +87,14 @@ def agreed_path(seen: List[tuple], rank: int) -> Optional[Path]:
                             f"rank {other} on {seen[other][0]} finds one at {seen[other][1]}: "
                             + SHARED_FOLDER)
         raise UserError(error0)  # every rank stops; rank 0 says why
-    if len(seen) == 1:  # one process: loading the file says what is wrong with it
+    # One process: loading the file says what is wrong with it.
+    if len(seen) == 1:
         return Path(path0) if found0 else None
     for other, (host, path, found, error, identity) in enumerate(seen):
-        if found and error is not None:  # it is there, but this rank cannot read it
+        if found and error is not None:
             raise UserError(f"rank {other} on {host}: {error}")
     if not found0:
-        return None  # a new run on every rank
+        return None
     for other, (host, path, found, error, identity) in enumerate(seen):
         if identity != identity0:
             found = (f"cannot use it ({error})" if error is not None
@@ -102,7 +102,8 @@ def agreed_path(seen: List[tuple], rank: int) -> Optional[Path]:
                      else f"finds another file at {path}")
             raise UserError(f"rank 0 on {host0} resumes {path0}, but rank {other} on {host} "
                             f"{found}: " + SHARED_FOLDER)
-    return Path(seen[rank][1])  # this rank's own path to the same file
+    # This rank's own path to the same file.
+    return Path(seen[rank][1])
 
 
 def _identity(path: Optional[Path]) -> Tuple[Optional[Tuple[int, str]], Optional[str]]:
@@ -130,8 +131,9 @@ def resume_mismatches(state: dict, args, world_size: int) -> List[str]:
     if root and args.dataset != "FakeData" and \
             Path(root).resolve() != Path(args.dataset_root).resolve():
         diffs.append(f"--dataset_root {root} (this run: {args.dataset_root})")
+    # Older checkpoints have no accum_steps: they did not accumulate.
     world, batch, accum = state.get("world_size"), trained.get("batch_size"), \
-        trained.get("accum_steps", 1)  # older checkpoints: no accumulation
+        trained.get("accum_steps", 1)
     if world is not None and batch is not None:
         if world * batch * accum != world_size * args.batch_size * args.accum_steps:
             diffs.append(f"a global batch of {batch} x {accum} micro-batches x {world} "
@@ -144,18 +146,22 @@ def resume_mismatches(state: dict, args, world_size: int) -> List[str]:
 
 @dataclass
 class Resumed:
-    """Where a run continues: its counters, and the states that wait for ``build()``."""
+    """Where a run continues: its counters; ``state``, the entries that wait for ``build()``
+    (all but the weights); ``trained``, the checkpoint's run's flags; ``identity``, of the
+    bytes loaded (``files.identity``); ``so_far``, a stopped epoch's figures up to its stop;
+    ``streams``, how this rank's random streams go on when not as saved; ``repaired``, what
+    was done to best.pth to match the record (:func:`repair_best`)."""
     path: Optional[Path] = None
     epoch: int = 0
     step: int = 0
     best_acc: float = -1.0
     best_epoch: int = -1
-    state: Dict[str, Any] = field(default_factory=dict)  # training_state()'s, but the weights
-    trained: Dict[str, Any] = field(default_factory=dict)  # the checkpoint's run's flags
-    identity: Optional[Tuple[int, str]] = None  # of the bytes loaded (files.identity)
-    so_far: Optional[Dict[str, Any]] = None  # a stopped epoch's figures up to its stop
-    streams: str = ""  # how this rank's random streams go on, when not as they were saved
-    repaired: str = ""  # what was done to best.pth, to match the record (repair_best)
+    state: Dict[str, Any] = field(default_factory=dict)
+    trained: Dict[str, Any] = field(default_factory=dict)
+    identity: Optional[Tuple[int, str]] = None
+    so_far: Optional[Dict[str, Any]] = None
+    streams: str = ""
+    repaired: str = ""
 
     @property
     def loaded(self) -> Optional[Dict[str, Any]]:
@@ -196,7 +202,7 @@ def load_resume(path: Path, args, network: nn.Module, info: DistInfo,
         repaired = repair_best(Path(path), state)
     return Resumed(path, int(state["epoch"]), int(state.get("step", 0)),
                    float(state.get("best_acc", -1.0)), int(state.get("best_epoch", -1)),
-                   training_state_of(state), state.get("args") or {}, identity,
+                   entries_of(state), state.get("args") or {}, identity,
                    state.get("epoch_so_far"), streams, repaired)
 
 
@@ -229,7 +235,8 @@ def _record_of(best: Path) -> Optional[Tuple[int, float]]:
             warnings.simplefilter("ignore")
             state = torch.load(best, map_location="cpu", weights_only=True, mmap=True)
         return int(state["epoch"]), float(state["val_acc"])
-    except Exception:  # missing, truncated, not a checkpoint: nothing that names an epoch
+    # Missing, truncated, not a checkpoint: nothing that names an epoch.
+    except Exception:
         return None
 
 
@@ -250,49 +257,46 @@ def resume(resume_flag: Optional[str], run_dir: Path, network: nn.Module, info: 
     try:
         if path is not None:
             resumed = load_resume(path, args, network, info, run_dir)
-    except UserError as e:  # this rank's: every rank stops, in one line
+    # This rank's failure: every rank stops, in one line.
+    except UserError as e:
         failed = str(e)
     _agree_on_resumed(failed or resumed.loaded, info)
-    if path is None and init_from is not None:  # another run's weights
+    if path is None and init_from is not None:
         checkpoint_files.load_weights_from(network, init_from, "--init_from")
     return resumed
 
 
-def restore(resumed: Resumed, log, *, args, model: nn.Module, **objects) -> None:
-    """After ``build()``: each entry of the checkpoint's ``training_state()`` (but its weights,
-    loaded before) back into the object of the same name (``objects``: ``optimizer=``,
-    ``scheduler=``, ``scaler=``, ...) by its ``load_state_dict``; an object the checkpoint
-    holds nothing for starts anew, and says so; a saved state that does not fit its object
-    is one line. The optimizer keeps how it was built (fused) and, over an FSDP2 ``model``, has
-    its full state sharded again. What a loading says (a comm hook's step count) and an entry
-    no object took are said by ``log``, with where the run starts and the flags it changes
-    against the checkpoint's run (``args``: this run's)."""
+def restore(resumed: Resumed, state: Mapping[str, Any], log, *, args) -> None:
+    """After ``build()``: each entry of the checkpoint (but its weights, loaded before) back
+    into the object of the same name in the script's ``state`` (the Saver's) by its
+    ``load_state_dict``; an object the checkpoint holds nothing for starts anew, and an
+    entry no object takes is not restored: both said. A saved state that does not fit its
+    object is one line. The optimizer keeps how it was built (fused) and, over an FSDP2
+    model, has its full state sharded again. What a loading says (a comm hook's step count)
+    is said by ``log``, with where the run starts and the flags it changes against the
+    checkpoint's run (``args``: this run's)."""
     notes = []
     if resumed.path is not None:
-        for name in dict.fromkeys([*resumed.state, *objects]):
-            saved, target = resumed.state.get(name), objects.get(name)
-            if target is None:
-                if saved is not None:
-                    notes.append(f"the checkpoint's {name!r} is not restored: restore() got "
-                                 f"no {name}= to load it into")
+        for name in dict.fromkeys([*resumed.state, *state]):
+            saved, target = resumed.state.get(name), state.get(name)
+            if name == "model":
                 continue
-            if saved is None and not isinstance(target, CommHook):  # the hook says its own
-                notes.append(f"{name} starts anew: the checkpoint holds none")
+            if target is None or saved is None:
+                notes.append(f"the checkpoint's {name!r} is not restored: this run has none"
+                             if target is None else f"{name} starts anew: the checkpoint "
+                             "holds none")
                 continue
             try:
-                if isinstance(target, torch.optim.Optimizer):
-                    load_optimizer_state(target, saved, model)
-                else:
-                    said = target.load_state_dict(saved)
-                    notes.append(said if isinstance(said, str) else "")
+                said = load_state(target, saved, state["model"])
             except (KeyError, RuntimeError, TypeError, ValueError) as e:
                 # load_state_dict's reasons follow its first line: all of it, on one.
                 why = " ".join(str(e).split())[:300] or type(e).__name__
                 raise UserError(f"{resumed.path}: its {name!r} does not fit this run's {name} "
                                 f"({why})") from None
-        if resumed.state:
-            notes.append(changes(resumed.trained, args, objects["optimizer"]))
-    resumed.state = {}  # let go
+            notes.append(said if isinstance(said, str) else "")
+        if resumed.state and isinstance(state.get("optimizer"), torch.optim.Optimizer):
+            notes.append(changes(resumed.trained, args, state["optimizer"]))
+    resumed.state = {}
     log.print(start_message(resumed, args.variant, args.epochs, args.init_from,
                             "\n".join(filter(None, notes))))
 

@@ -39,18 +39,21 @@ def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
     """
     path = Path(path)
     spare_path = _spare(path)
+    # A spare whose file is best.pth's too (link_or_write) must not be rewritten.
     if spare and spare_path.is_file() and spare_path.stat().st_nlink > 1:
-        spare_path.unlink()  # its file is best.pth's too (link_or_write): not to be rewritten
+        spare_path.unlink()
     if spare and spare_path.is_file():
         tmp, f = spare_path, open(spare_path, "r+b")
     else:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.fchmod(fd, 0o666 & ~_umask())  # as open() makes a file: mkstemp's is 0600
+        # mkstemp's file is 0600: made as open() would make it.
+        os.fchmod(fd, 0o666 & ~_umask())
         tmp, f = Path(name), os.fdopen(fd, "wb")
     try:
         with f:
             torch.save(obj, f)
-            f.truncate()  # a spare may be longer than this checkpoint
+            # A spare may be longer than this checkpoint.
+            f.truncate()
             f.flush()
             os.fsync(f.fileno())
         _replace(tmp, path, spare_path if spare else None)
@@ -80,7 +83,7 @@ def _umask() -> int:
     return mask
 
 
-def _spare(path: Path) -> Path:  # the file a save with spare=True rewrites
+def _spare(path: Path) -> Path:
     return path.with_name(f".{path.name}.spare")
 
 
@@ -137,7 +140,8 @@ def _replace(new: Path, path: Path, spare: Optional[Path]) -> None:
     try:
         if spare is None or not path.is_file():
             raise OSError
-        os.link(path, keep)  # a second name for the current file (no hard links: no spare)
+        # A second name for the current file (no hard links: no spare).
+        os.link(path, keep)
     except OSError:
         os.replace(new, path)
         return
@@ -147,10 +151,11 @@ def _replace(new: Path, path: Path, spare: Optional[Path]) -> None:
 
 @dataclass
 class Link:
-    """``target`` to be made a second name for ``source``'s file (:func:`link_or_write`)."""
+    """``target`` to be made a second name for ``source``'s file (:func:`link_or_write`), or
+    written with ``fallback`` where there are no hard links."""
     source: Path
     target: Path
-    fallback: Any  # what ``target`` gets written with where there are no hard links
+    fallback: Any
 
 
 def link_or_write(link: Link) -> None:
@@ -167,19 +172,14 @@ def link_or_write(link: Link) -> None:
     _fsync_folder(link.target.parent)
 
 
-def remove_stale_temps(folder: Path) -> None:
-    """Delete temporary files left by a save that was killed (they never replaced a
-    checkpoint), and spares left by a run that was killed."""
-    for tmp in [*Path(folder).glob(".*.pth.*.tmp"), *Path(folder).glob(".*.pth.spare")]:
+def remove_spares(folder: Path, temps: bool = False) -> None:
+    """Delete the spare copies that ``atomic_save(spare=True)`` keeps between saves; with
+    ``temps``, the temporary files of a save that was killed too (they never replaced a
+    checkpoint)."""
+    for left in [*Path(folder).glob(".*.pth.spare"),
+                 *(Path(folder).glob(".*.pth.*.tmp") if temps else [])]:
         with contextlib.suppress(OSError):
-            tmp.unlink()
-
-
-def remove_spares(folder: Path) -> None:
-    """Delete the spare copies that ``atomic_save(spare=True)`` keeps between saves."""
-    for spare in Path(folder).glob(".*.pth.spare"):
-        with contextlib.suppress(OSError):
-            spare.unlink()
+            left.unlink()
 
 
 class Snapshot:
@@ -197,7 +197,8 @@ class Snapshot:
         """``obj`` with every tensor replaced by its copy in this snapshot's buffers."""
         out = self._copy(obj, ())
         if any(b.is_pinned() for b in self._buffers.values()):
-            torch.accelerator.synchronize()  # the asynchronous copies have landed
+            # The asynchronous copies must have landed before the writer reads them.
+            torch.accelerator.synchronize()
         return out
 
     def _copy(self, obj: Any, key: tuple) -> Any:
@@ -232,8 +233,10 @@ class BackgroundWriter:
         self._done = threading.Event()
         self._done.set()
         self._error: Optional[BaseException] = None
-        self.write_seconds: Optional[float] = None  # duration of the last finished write
-        self.landed = landed  # the label of the last first file written in full
+        # How long the last finished write took; the label of the last first file written
+        # in full (what a second Ctrl-C says last.pth holds).
+        self.write_seconds: Optional[float] = None
+        self.landed = landed
 
     def submit(self, files: List[Any], label: str = "") -> None:
         """Start writing ``files`` (``(snapshot, path)``, or a :class:`Link` to make) in this
@@ -279,7 +282,8 @@ class BackgroundWriter:
                     atomic_save(*item, spare=True)
                 if i == 0:
                     self.landed = label
-        except BaseException as e:  # raised in the training thread by the next wait()
+        # Raised in the training thread, by the next wait().
+        except BaseException as e:
             self._error = e
         finally:
             self.write_seconds = time.perf_counter() - t0
