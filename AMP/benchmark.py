@@ -20,7 +20,7 @@ group, or under torchrun in its group (then they alone, and rank 0 prints):
 Input pipeline: images/s delivered to the device at --img_size by the article's PIL
 path, the classic DataLoader path (ampkit.data.classic) and the fast device path
 (ampkit.data.on_device), on CIFAR-10 when --dataset_root holds it, else on generated images
-in CIFAR-10's format. The measuring code: tools/measure_steps.py, tools/measure_input.py.
+in CIFAR-10's format. The measuring code: tools/step_throughput.py, tools/measure_input.py.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ from ampkit.device import cpu_has_fast_bf16, device_type, set_cuda_math
 from ampkit.errors import UserError
 from ampkit.device import fp32_peak_math, peak_tflops
 from ampkit.run import report_user_errors
-from tools import measure_input, measure_steps, tables
-from tools.bench_flags import PIPELINES, parse_args
+from tools import measure_input, step_throughput, tables
+from tools.benchmark_flags import PIPELINES, parse_args
 from tools.variants import TRAIN_VARIANTS
 
 
@@ -62,7 +62,7 @@ def time_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
     """One StepResult per variant; a variant that fails is reported and the others run."""
     peak_half, peak_fp32 = peaks(args, device, fp32_math)
     results = []
-    ddp = measure_steps.DDPGroup(device.type == "cuda")
+    ddp = step_throughput.DDPGroup(device.type == "cuda")
     if args.world_size > 1:
         device = ddp.get().device  # this process's own (cuda:LOCAL_RANK under torchrun)
     try:
@@ -73,7 +73,7 @@ def time_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
                               and TRAIN_VARIANTS[variant][0] == "ddp" else "")
             hook_suffix = "" if hook == "none" else f"_{hook}"
             try:
-                r = measure_steps.measure_variant(
+                r = step_throughput.measure_variant(
                     variant, device=device, batch_size=args.batch_size, img_size=args.img_size,
                     warmup=args.warmup, steps=args.steps, amp_dtype=args.amp_dtype,
                     num_classes=args.num_classes, lr=args.lr, arch=args.arch,
@@ -88,7 +88,7 @@ def time_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
                       flush=True)
             except (UserError, RuntimeError, ValueError) as e:
                 par, prec = TRAIN_VARIANTS[variant]
-                r = measure_steps.StepResult(
+                r = step_throughput.StepResult(
                     variant=variant, parallel=par, precision=prec, amp_dtype="", arch=args.arch,
                     device=device.type, devices=1, batch_size=args.batch_size,
                     img_size=args.img_size, warmup=args.warmup, steps=args.steps,

@@ -356,7 +356,7 @@ def test_benchmark_channels_last_reaches_the_model_and_its_inputs(monkeypatch, c
     """benchmark.py --channels_last measures what training with --channels_last runs."""
     import torch
 
-    from tools import measure_steps
+    from tools import step_throughput
     from ampkit.models import build_model
 
     seen = []
@@ -369,8 +369,8 @@ def test_benchmark_channels_last_reaches_the_model_and_its_inputs(monkeypatch, c
             (inp[0].is_contiguous(memory_format=cl), mod.weight.is_contiguous(memory_format=cl))))
         return model
 
-    monkeypatch.setattr(measure_steps, "build_model", hooked)
-    r = measure_steps.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
+    monkeypatch.setattr(step_throughput, "build_model", hooked)
+    r = step_throughput.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
                                       img_size=64, warmup=1, steps=1, channels_last=channels_last)
     assert r.status == "ok" and r.channels_last is channels_last and r.images_per_s > 0
     assert len(seen) == 2  # warm-up step, timed step (the FLOP count's is on the meta device)
@@ -383,10 +383,10 @@ def test_benchmark_reads_nothing_back_inside_its_timed_window(monkeypatch):
     import torch
 
     from ampkit import engine
-    from tools import measure_steps
+    from tools import step_throughput
 
     timing, reads = [False], []
-    real_timed, real_check = measure_steps._timed, engine._host_check
+    real_timed, real_check = step_throughput._timed, engine._host_check
 
     def timed(fn, device):
         timing[0] = True
@@ -399,9 +399,9 @@ def test_benchmark_reads_nothing_back_inside_its_timed_window(monkeypatch):
         reads.append(timing[0])
         return real_check(*args, **kwargs)
 
-    monkeypatch.setattr(measure_steps, "_timed", timed)
+    monkeypatch.setattr(step_throughput, "_timed", timed)
     monkeypatch.setattr(engine, "_host_check", check)
-    r = measure_steps.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
+    r = step_throughput.measure_variant("train_without", device=torch.device("cpu"), batch_size=2,
                                       img_size=32, warmup=0, steps=21, arch="squeezenet1_1")
     assert r.status == "ok" and r.steps == 21
     assert True not in reads, "a host read inside the timed window"
@@ -409,7 +409,7 @@ def test_benchmark_reads_nothing_back_inside_its_timed_window(monkeypatch):
 
 def test_benchmark_speedup_is_over_the_fp32_row_of_the_same_parallel_mode():
     from tools import tables
-    from tools.measure_steps import StepResult
+    from tools.step_throughput import StepResult
 
     def row(variant, parallel, precision, images_per_s, **kw):
         return StepResult(variant=variant, parallel=parallel, precision=precision,
@@ -647,7 +647,7 @@ def test_benchmark_times_a_ddp_row_per_comm_hook_with_the_bytes_its_hook_sent():
     PowerSGD (compressing from the third step, after the warm-up) its rank-1 factors."""
     import torch
 
-    from tools.measure_steps import DDPGroup, measure_variant
+    from tools.step_throughput import DDPGroup, measure_variant
 
     group = DDPGroup(cuda=False)
     try:
@@ -681,7 +681,7 @@ def test_benchmark_comm_hook_flags_it_cannot_honour_are_one_line(flags, says, ca
 def test_the_gpus_busy_share_counts_each_instant_once():
     """benchmark.py --busy: the kernels' intervals, merged where streams overlap, over the
     wall time; on the CPU there is no kernel to count."""
-    from tools.measure_steps import covered_us, gpu_busy_share
+    from tools.step_throughput import covered_us, gpu_busy_share
 
     assert covered_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
     assert covered_us([]) == 0
@@ -697,7 +697,7 @@ def test_busy_share_records_cuda_activity_alone(monkeypatch):
 
     import torch.profiler
     from helpers.machines import pretend_machine
-    from tools.measure_steps import gpu_busy_share
+    from tools.step_throughput import gpu_busy_share
 
     asked, cuda = [], torch.autograd.DeviceType.CUDA
     kernels = [SimpleNamespace(device_type=kind, time_range=SimpleNamespace(start=a, end=b))

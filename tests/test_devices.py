@@ -276,7 +276,7 @@ def test_cuda_graphs_with_accumulation_are_refused_at_the_flags(variant, monkeyp
 
 
 def test_benchmark_refuses_cuda_graphs_with_accumulation_in_one_line(capsys):
-    from tools.bench_flags import parse_args
+    from tools.benchmark_flags import parse_args
 
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--cuda", "--variants", "train_autocast", "--compile", "reduce-overhead",

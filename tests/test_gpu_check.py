@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh's step runner (bench/steps.sh): a step stopped by its timeout leaves no
+"""checks/gpu_check.sh's step runner (checks/gpu_check_steps.sh): a step stopped by its timeout leaves no
 process behind; what comes back is one summary and one small archive (no checkpoint in it);
 a step that fails or is skipped makes the check fail, and the summary's last line names it."""
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_a_step_stopped_by_its_timeout_leaves_no_process(tmp_path):
     out.mkdir()
     work.mkdir()
     (tmp_path / "step.py").write_text(STEP)
-    script = (f'OUT={out} WORK={work} BUDGET=3 MIN_STEP=1; source bench/steps.sh; '
+    script = (f'OUT={out} WORK={work} BUDGET=3 MIN_STEP=1; source checks/gpu_check_steps.sh; '
               f'run slow 60 {PYTHON} {tmp_path / "step.py"} {pidfile}; echo "rc=$?"')
     t0 = time.monotonic()
     res = run(["bash", "-c", script], timeout=60)
@@ -57,12 +57,12 @@ def test_a_step_stopped_by_its_timeout_leaves_no_process(tmp_path):
 
 
 def _steps(tmp_path, body: str, **env) -> ScriptResult:
-    """Run ``body`` in bash with bench/steps.sh sourced (OUT, WORK under tmp_path)."""
+    """Run ``body`` in bash with checks/gpu_check_steps.sh sourced (OUT, WORK under tmp_path)."""
     out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir()
     work.mkdir()
     settings = " ".join(f"{k}={v}" for k, v in {"BUDGET": 60, "MIN_STEP": 1, **env}.items())
-    script = f"OUT={out} WORK={work} {settings}; source bench/steps.sh; {body}"
+    script = f"OUT={out} WORK={work} {settings}; source checks/gpu_check_steps.sh; {body}"
     return run(["bash", "-c", script], timeout=60)
 
 
@@ -109,7 +109,7 @@ def test_big_files_stay_out_of_the_archive_and_long_outputs_are_cut(tmp_path):
 
 
 def test_gpu_check_script_parses():
-    res = run(["bash", "-n", "bench/gpu_check.sh"], timeout=30)
+    res = run(["bash", "-n", "checks/gpu_check.sh"], timeout=30)
     assert res.returncode == 0, res.stderr
 
 
@@ -120,7 +120,7 @@ def test_gpu_check_runs_correctness_first_then_timings_then_compile():
     runs long costs no answer before it."""
     import re
 
-    text = Path("bench/gpu_check.sh").read_text()
+    text = Path("checks/gpu_check.sh").read_text()
     steps = [(m.group(1), m.group(2)) for m in re.finditer(
         r"^\s*(?:needs \S+ \S+ &&\s*)?run (\w+) \d+ (.*(?:\\\n.*)*)", text, re.M)]
     names = [name for name, _ in steps]

@@ -2,7 +2,7 @@
 included), one process or a DDP job under torchrun; then --resume finishes the run -- and
 at 2 ranks it ends bit for bit as the run that never stopped. Ctrl-C to the benchmark's
 input pipeline, loader workers included, is one line. (SIGUSR1's stop and resume at
-2 ranks: test_stop_rule.py; through SLURM and torchrun: bench/slurm_check.sh.)
+2 ranks: test_stop_rule.py; through SLURM and torchrun: checks/slurm_check.sh.)
 Real interpreters: what is tested is the processes' exit status, streams and teardown."""
 from __future__ import annotations
 

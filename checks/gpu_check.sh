@@ -3,8 +3,8 @@
 # torchrun (NCCL) for DDP and FSDP2 (with gradient accumulation and clipping), DataParallel
 # with GradScaler, SIGTERM and --resume, the eval scripts -- then the GPU figures of
 # docs/results.md, then --compile and CUDA graphs last.
-#   bash bench/gpu_check.sh              # on the GPU (device tool: timeout_s 600)
-#   bash bench/gpu_check.sh --dry-run    # the same steps on the CPU at toy sizes: checks the
+#   bash checks/gpu_check.sh              # on the GPU (device tool: timeout_s 600)
+#   bash checks/gpu_check.sh --dry-run    # the same steps on the CPU at toy sizes: checks the
 #                                        # script before GPU time is spent (3 min 18 s, 21
 #                                        # steps passed, on this project's 2-core machine,
 #                                        # 2026-12-05: time OUT=/tmp/dryout bash ... --dry-run)
@@ -20,7 +20,7 @@
 # then the timings, then compile (a compile that hangs or runs long must not cost the
 # answers before it) -- each under a timeout capped by what is left of BUDGET seconds
 # (default 500), so a slow step cannot cost the ones before it; no process of a step
-# outlives it (bench/steps.sh); the header's commands have timeouts too.
+# outlives it (checks/gpu_check_steps.sh); the header's commands have timeouts too.
 #   1. pytest -m cuda (the only step that asserts);
 #   2. short runs (1 epoch of 2,560 generated images at 128, batch 64): DDP + GradScaler
 #      under torchrun with accumulation and clipping, then eval_DDP --autocast on its
@@ -65,7 +65,7 @@ else
   TF32=--tf32; NO_TF32=--no-tf32
   BUSY_BS=64  # the scripts' default batch
 fi
-source bench/steps.sh
+source checks/gpu_check_steps.sh
 
 { timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 ||
   echo "nvidia-smi: none, or no answer in 30 s"; } | head -3 >> "$OUT/summary.txt"

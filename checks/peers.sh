@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # "As fast as the fastest peer": the same training job with the project's scripts, with HF
-# accelerate (bench/peers/accelerate_digits.py) and with PyTorch Lightning
-# (bench/peers/lightning_digits.py), each timed as a whole process (wall seconds: start-up,
+# accelerate (checks/peers/accelerate_digits.py) and with PyTorch Lightning
+# (checks/peers/lightning_digits.py), each timed as a whole process (wall seconds: start-up,
 # imports, data, 3 epochs of training and validation, a checkpoint every epoch, exit), at 1
 # process and at 2 CPU processes (gloo), ROUNDS rounds, interleaved: the order of the three
 # rotates from round to round. Prints each round's walls and CPU seconds, and a table of
@@ -9,11 +9,11 @@
 # same round. On a shared machine whose speed drifts from minute to minute the CPU seconds
 # (user + system, GNU time's, every process of the job) move less than the walls.
 #
-#   bash bench/peers.sh                       # ROUNDS=3; about 5 minutes a round on 2 cores
-#   ROUNDS=1 OUT=/tmp/peers bash bench/peers.sh
+#   bash checks/peers.sh                       # ROUNDS=3; about 5 minutes a round on 2 cores
+#   ROUNDS=1 OUT=/tmp/peers bash checks/peers.sh
 #
 # Needs: the project's requirements, scikit-learn (AMP/tools/digits.py writes the data set)
-# and the peers: pip install -r bench/requirements-peers.txt; GNU time at /usr/bin/time
+# and the peers: pip install -r checks/requirements-peers.txt; GNU time at /usr/bin/time
 # (Debian's package time). A CPU; no network.
 # PRECISION (default bf16): fp32 runs the job without autocast (train_without.py and
 # train_DDP.py, accelerate's mixed_precision="no", Lightning's "32-true"), for a CPU without
@@ -95,12 +95,12 @@ job() {
     project:1) JOB=("${threads[@]}" python "$ONE" "${COMMON[@]}" --checkpoint "$dir") ;;
     project:*) JOB=("${threads[@]}" python -m torch.distributed.run --standalone
                     --nproc_per_node="$n" "$DDP" "${COMMON[@]}" --checkpoint "$dir") ;;
-    accelerate:1) JOB=("${threads[@]}" python bench/peers/accelerate_digits.py "${PEER[@]}"
+    accelerate:1) JOB=("${threads[@]}" python checks/peers/accelerate_digits.py "${PEER[@]}"
                        --out "$dir" --processes 1) ;;
     accelerate:*) JOB=("${threads[@]}" accelerate launch --multi_gpu --num_processes "$n"
                        --num_machines 1 --mixed_precision "$ACC" --dynamo_backend no
-                       bench/peers/accelerate_digits.py "${PEER[@]}" --out "$dir" --processes "$n") ;;
-    lightning:*) JOB=("${threads[@]}" python bench/peers/lightning_digits.py "${PEER[@]}"
+                       checks/peers/accelerate_digits.py "${PEER[@]}" --out "$dir" --processes "$n") ;;
+    lightning:*) JOB=("${threads[@]}" python checks/peers/lightning_digits.py "${PEER[@]}"
                       --out "$dir" --processes "$n") ;;
   esac
 }

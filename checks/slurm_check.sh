@@ -6,8 +6,8 @@
 # requeues itself (scontrol requeue), and the requeued start (SLURM_RESTART_COUNT=1)
 # continues with --resume to the end. Verdict: the stop line, the resumed line, the done:
 # line, the job's restart count, PASS or FAIL.
-#   bash bench/slurm_check.sh               # 35-50 s on this 2-core machine (2026-12-02)
-#   SIG=TERM bash bench/slurm_check.sh      # the same round trip with SIGTERM
+#   bash checks/slurm_check.sh               # 35-50 s on this 2-core machine (2026-12-02)
+#   SIG=TERM bash checks/slurm_check.sh      # the same round trip with SIGTERM
 # Needs: slurm (sbatch, srun, scontrol, scancel) and python with torch. Where no SLURM
 # answers, as root with Debian's slurm-wlm + munge installed
 # (apt-get install -y slurm-wlm munge), it stands up a one-node cluster in place, without
@@ -33,7 +33,7 @@ TIMEOUT=${TIMEOUT:-300}
 NUDGE=${NUDGE:-1}
 SKIP_STATUS=${SKIP_STATUS:-0}
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
-MARK="# written by bench/slurm_check.sh"
+MARK="# written by checks/slurm_check.sh"
 CONF=${SLURM_CONF:-/etc/slurm/slurm.conf}
 
 skip() { echo "SKIP: $*"; exit "$SKIP_STATUS"; }

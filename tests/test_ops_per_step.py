@@ -1,9 +1,9 @@
 """A training step costs what its technique costs: the ops each train script dispatches between
 two optimizer steps -- its own run, ``main()`` in this process, its step, loop, input path
-and stop vote -- are within 1.05x of the floor of its technique (bench/step_ops.py: the same
+and stop vote -- are within 1.05x of the floor of its technique (checks/ops_per_step.py: the same
 loop with nothing but the technique), and a step syncs nothing with the host. The counts
 are deterministic (AlexNet at 64 px, the fast input path, torch as pinned in
-constraints.txt); bench/step_ops.py prints them for all 13 scripts, with host times."""
+constraints.txt); checks/ops_per_step.py prints them for all 13 scripts, with host times."""
 from __future__ import annotations
 
 import sys
@@ -15,13 +15,13 @@ import pytest
 
 from conftest import REPO_ROOT, run_main
 
-sys.path.insert(0, str(REPO_ROOT / "bench"))
-import step_ops  # noqa: E402
+sys.path.insert(0, str(REPO_ROOT / "checks"))
+import ops_per_step  # noqa: E402
 
 # The quick tier's: the one-device GradScaler loop. The slow one adds autocast alone, DDP's
 # (its own all-reduce: a Python hook would cost ops) and FSDP2's loops, with a scaler and
 # with the mixed policy; the DataParallel scripts' steps on the CPU are the one-device ones
-# (no DataParallel is built there), and bench/step_ops.py counts all 13.
+# (no DataParallel is built there), and checks/ops_per_step.py counts all 13.
 QUICK = ("train_GradScaler",)
 SLOW = ("train_autocast", "train_DDP", "train_FSDP_GradScaler", "train_FSDP_mixed")
 
@@ -41,11 +41,11 @@ def test_a_step_costs_what_its_technique_costs(script, cifar_root, tmp_path):
         assert res.returncode == 0, res.describe()
 
     with folder:
-        mine = step_ops.measure(run, count=True)
-    floor = step_ops.measure(step_ops.run_floor(script, "alexnet", 64, 6, max_steps=5),
+        mine = ops_per_step.measure(run, count=True)
+    floor = ops_per_step.measure(ops_per_step.run_floor(script, "alexnet", 64, 6, max_steps=5),
                              count=True)
     extra = Counter(mine["typical"]) - Counter(floor["typical"])
-    assert mine["median"] <= step_ops.BOUND * floor["median"], (
+    assert mine["median"] <= ops_per_step.BOUND * floor["median"], (
         f"{script}: {mine['median']} ops a step, its floor {floor['median']}; more: "
         f"{dict(extra.most_common())}")
     # .item() or a truth value of a device tensor: the host would wait for the GPU each step.

@@ -1,8 +1,8 @@
 """How much of the shared code a reader of a train script has to follow: the helper modules
 it imports from, the lines of ampkit/ a 1-epoch run executes, and those under its epoch loop.
 
-    python bench/helper_lines.py train_DDP_GradScaler          # as a group of one process
-    python bench/helper_lines.py train_autocast --lines         # and every line, by file
+    python checks/helper_lines.py train_DDP_GradScaler          # as a group of one process
+    python checks/helper_lines.py train_autocast --lines         # and every line, by file
 
 Under ``sys.settrace``, in this process's main thread (the checkpoint writer's is not
 followed): the script's import (the helpers' module-level lines: their definitions), then its

@@ -1,8 +1,8 @@
 """What a training step costs the host: ops dispatched per optimizer step by each train
 script, against a hand-written floor of its technique, and the host time of a step.
 
-    python bench/step_ops.py                                 # the 13 scripts (~17 min on 2 cores)
-    python bench/step_ops.py --scripts train_autocast,train_GradScaler --rounds 5
+    python checks/ops_per_step.py                              # the 13 scripts (~17 min on 2 cores)
+    python checks/ops_per_step.py --scripts train_autocast,train_GradScaler --rounds 5
 
 On a GPU every op a step dispatches is a kernel launch and some microseconds of host time
 (Python, the dispatcher, the launch); where the step's arithmetic is short the GPU waits for
@@ -191,7 +191,7 @@ def child(args) -> None:
     if not args.count:  # one thread: the host's own work, without the pool's hand-offs
         torch.set_num_threads(1)
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory(prefix="step_ops.") as folder:
+    with tempfile.TemporaryDirectory(prefix="ops_per_step.") as folder:
         make = (run_floor(args.child, args.arch, args.img_size, args.batch_size)
                 if args.floor else
                 run_script(args.child, args.arch, args.img_size, args.batch_size, Path(folder)))
@@ -212,7 +212,7 @@ def one(script: str, *, floor: bool, count: bool, arch: str, img_size: int,
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if res.returncode != 0:
-        raise SystemExit(f"step_ops.py: {' '.join(cmd[2:])} failed:\n{res.stderr[-2000:]}")
+        raise SystemExit(f"ops_per_step.py: {' '.join(cmd[2:])} failed:\n{res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
         p.error(f"unknown script(s) {', '.join(unknown)}; choose from {', '.join(SCRIPTS)}")
     import torch
 
-    print(f"step_ops.py: torch {torch.__version__}, {torch.get_num_threads()} threads; ops per "
+    print(f"ops_per_step.py: torch {torch.__version__}, {torch.get_num_threads()} threads; ops per "
           f"optimizer step: {args.arch} at {args.img_size} px, batch {args.batch_size}, "
           f"FakeData, fast input path, CPU", flush=True)
     rows: List[Dict] = []

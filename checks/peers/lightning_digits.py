@@ -1,7 +1,7 @@
-"""The peer comparison's job (bench/peers.sh) written with PyTorch Lightning, as its docs show.
+"""The peer comparison's job (checks/peers.sh) written with PyTorch Lightning, as its docs show.
 
-    python bench/peers/lightning_digits.py --data DIR --out DIR --processes 1
-    OMP_NUM_THREADS=1 python bench/peers/lightning_digits.py --data DIR --out DIR --processes 2
+    python checks/peers/lightning_digits.py --data DIR --out DIR --processes 1
+    OMP_NUM_THREADS=1 python checks/peers/lightning_digits.py --data DIR --out DIR --processes 2
 
 AlexNet (10 classes) on the digits ImageFolder at 64 px, batch 64 per process, AdamW 1e-4,
 ReduceLROnPlateau on the validation accuracy, bf16-mixed (--precision fp32: 32-true), 3 epochs,

@@ -1,4 +1,4 @@
-# Step helpers of bench/gpu_check.sh, sourced by it (and by the tests).
+# Step helpers of checks/gpu_check.sh, sourced by it (and by the tests).
 # Needs: OUT (what comes back: summary.txt and details.tar.gz only), WORK (each step's full
 # output; only its small files are packed), BUDGET (seconds for all steps, counted by bash's
 # SECONDS). Optional: MIN_STEP (default 15): a step with fewer seconds left is skipped;

@@ -1,9 +1,9 @@
-"""The peer comparison's job (bench/peers.sh) written with HF accelerate, as its docs show.
+"""The peer comparison's job (checks/peers.sh) written with HF accelerate, as its docs show.
 
-    python bench/peers/accelerate_digits.py --data DIR --out DIR                 # one process
+    python checks/peers/accelerate_digits.py --data DIR --out DIR                 # one process
     OMP_NUM_THREADS=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \
         --mixed_precision bf16 --dynamo_backend no \
-        bench/peers/accelerate_digits.py --data DIR --out DIR --processes 2      # 2, on the CPU
+        checks/peers/accelerate_digits.py --data DIR --out DIR --processes 2      # 2, on the CPU
 
 AlexNet (10 classes) on the digits ImageFolder at 64 px, batch 64 per process, AdamW 1e-4,
 ReduceLROnPlateau on the validation accuracy, bf16 autocast (--precision fp32: none), 3 epochs,
