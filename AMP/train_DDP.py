@@ -24,7 +24,8 @@ from ampkit.checkpoint import Saver, restore, resume
 from ampkit.data import build_loaders
 from ampkit.device import choose_device, refuse_unsupported, set_cuda_math
 from ampkit.comm_hooks import CommHook
-from ampkit.distributed import GROUP_TIMEOUT, group_store, local_main_first, torchrun_ranks
+from ampkit.distributed import (GROUP_TIMEOUT, group_store, local_main_first, settle_buckets,
+                                torchrun_ranks)
 from ampkit.engine import Technique, count_correct, train_one_epoch
 from ampkit.flags import parse_train_args
 from ampkit.meters import Meters
@@ -117,6 +118,9 @@ def main(argv=None):
             # (the article saved on every rank, prefix and all).
             state = {"model": technique.model.module, "optimizer": technique.optimizer,
                      "scheduler": scheduler, "comm_hook": comm_hook}
+            # DDP's buckets in their final order from the first real step on, as in a run
+            # that never stopped.
+            settle_buckets(technique.model, data.image_shape, run.info, comm_hook)
 
             with (run.logger(resumed, args.epochs) as log,
                   Saver(run.dir, run.info, resumed, state, save_every=args.save_every,

@@ -78,8 +78,32 @@ def test_a_signal_to_one_rank_stops_every_rank_a_step_later(nproc, rank, signal_
     state = _load(ckpt / "train_DDP" / "last.pth")
     assert (state["epoch"], state["step"]) == (1, 3)
     assert_no_traceback_of_ours(out, res.stderr)
-    # The resume from such a step, to the end and bit for bit: test_scheduler_stops.py (a
-    # torchrun job at 2 ranks) and test_stop_rule.py (from an epoch's last step).
+    # The resume from such a step, to the end and bit for bit: below at 3 ranks,
+    # test_scheduler_stops.py (a torchrun job at 2 ranks) and test_stop_rule.py (from an
+    # epoch's last step).
+
+
+@pytest.mark.slow
+def test_ddp_at_3_ranks_stopped_and_resumed_ends_bit_for_bit(imagefolder_root, tmp_path):
+    """Over 3 ranks a ring all-reduce adds an element's terms in an order set by its place
+    in DDP's bucket: the resumed run's first step must sum in the buckets of the run that
+    never stopped (distributed.settle_buckets), or its weights end within rounding only."""
+    flags = ["--batch_size", "2", "--epochs", "2", "--lr", "1e-3"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    script = REPO_ROOT / "AMP" / "train_DDP.py"
+    res = _torchrun(3, script, *quick_flags(imagefolder_root, whole, *flags))
+    assert res.returncode == 0, res.stderr[-3000:]
+    # 48 images / (3 ranks x 2): 8 steps an epoch; rank 1's 11th loss is epoch 2's step 3.
+    res = _torchrun(3, HELPER, "train_DDP", *quick_flags(imagefolder_root, stopped, *flags),
+                    env={"FAULT_SIGTERM_AT_LOSS": "11", "FAULT_RANK": "1"})
+    assert "stopped by SIGTERM (sent to another rank) at epoch 2" in res.stdout, \
+        res.stdout[-2000:] + res.stderr[-3000:]
+    res = _torchrun(3, script, *quick_flags(imagefolder_root, stopped, *flags), "--resume")
+    assert res.returncode == 0 and "resumed from" in res.stdout, res.stderr[-3000:]
+    want, got = (_load(folder / "train_DDP" / "last.pth") for folder in (whole, stopped))
+    differ = [name for name, tensor in want["model"].items()
+              if not torch.equal(got["model"][name], tensor)]
+    assert not differ, differ
 
 
 # ------------------------------------------------------------------ uneven shards, same start

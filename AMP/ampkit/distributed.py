@@ -198,6 +198,29 @@ def rank_random_states(info: DistInfo) -> List[dict]:
     return gather_from_ranks([random_state(info.device)], info)
 
 
+def settle_buckets(model: torch.nn.Module, image_shape: Tuple[int, ...], info: DistInfo,
+                   comm_hook: Any = None) -> None:
+    """One throwaway backward through a DDP ``model`` at every start, fresh or resumed, so that
+    the first real step already all-reduces in the buckets of every later one.
+
+    DDP buckets the gradients in the parameters' order for a start's first backward, then
+    rebuilds the buckets once, in the order the gradients became ready. Over 3 or more ranks
+    a ring all-reduce adds an element's terms in an order set by its place in its bucket, so
+    without this a resumed run's first step would round otherwise than the uninterrupted
+    run's step there. Eval mode (no dropout draw, no BatchNorm update), one zero image, the
+    loss times 0, the gradients dropped: nothing of the run changes. Not at 1 or 2 ranks
+    (two terms add the same either way), nor under PowerSGD, which counts every backward
+    as a step of its warm-up."""
+    if info.world_size < 3 or getattr(comm_hook, "name", None) == "powersgd":
+        return
+    training = model.training
+    model.eval()
+    model(torch.zeros(1, *image_shape, device=info.device)).float().sum().mul(0).backward()
+    model.train(training)
+    for p in model.parameters():
+        p.grad = None
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """FSDP2 (``fully_shard``): the parameters are DTensors, each process holding a shard."""
     return any(type(p).__name__ == "DTensor" for p in model.parameters())
