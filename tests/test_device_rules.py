@@ -83,9 +83,12 @@ def test_a_run_takes_nothing_mps_refuses(script, dataset, imagefolder_root, tmp_
     GradScaler and a process group; the float64 rule is some Intel GPUs' too.)"""
     importlib.import_module(script)
     batch = 100 if dataset == "FakeData" else 16
+    # The smallest run that takes every path: one training batch of FakeData, at 32 px.
+    subset = 100 if dataset == "FakeData" else None
     with device_rules("mps") as rules:
         res = run_main(script, *quick_flags(imagefolder_root, tmp_path, dataset=dataset,
-                                            batch_size=batch, epochs=1, log_every=2))
+                                            img_size=32, batch_size=batch, epochs=1,
+                                            log_every=2, train_subset=subset))
         evaluated = run_main("eval_without", "--checkpoint",
                              tmp_path / script / "last.pth", "--device", "cpu")
     assert res.returncode == 0 and evaluated.returncode == 0, res.describe()
