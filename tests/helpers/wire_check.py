@@ -126,7 +126,8 @@ STEPS, OVERFLOW = 24, 10
 
 def applied_gradients(name: str, growth_interval: int) -> torch.Tensor:
     """The gradients the optimizer got, step by step (the skipped step's left out)."""
-    hook = CommHook(name, powersgd_rank=1, start_iter=2, seed=0)
+    # "none": DDP's own all-reduce, no hook at all.
+    hook = None if name == "none" else CommHook(name, powersgd_rank=1, start_iter=2, seed=0)
     t = build_variant("train_DDP_GradScaler", copy.deepcopy(two_buckets), lr=0.0,
                       amp_dtype=torch.bfloat16, comm_hook=hook)
     t.scaler.load_state_dict(t.scaler.state_dict() | {"growth_interval": growth_interval})

@@ -81,9 +81,11 @@ def refusal(state: Mapping[str, Any]) -> str:
                     "and load_state_dict()")
         buffer = io.BytesIO()
         try:
-            torch.save(_skeleton(obj.state_dict()), buffer)
+            # torch.serialization's own names: a check in memory, not a checkpoint write
+            # (what a wrapper of torch.save, a test's fault or a profiler's, would count).
+            torch.serialization.save(_skeleton(obj.state_dict()), buffer)
             buffer.seek(0)
-            torch.load(buffer, weights_only=True)
+            torch.serialization.load(buffer, weights_only=True)
         except Exception as e:
             found = re.search(r"GLOBAL ([\w.]+)", str(e))
             why = f"holds {found[1]}" if found else first_line(e)
