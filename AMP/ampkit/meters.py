@@ -83,10 +83,10 @@ class StepFigures:
     step returns them, kept on the device (adding a step costs no op and no sync), then read
     on the host in one copy every ``log_every`` steps (float32 tensors, stacked) and summed
     there as Python floats, each loss weighted by its micro-batch's images: no float64
-    tensor, which a device may not have at all (MPS, some Intel GPUs). ``scaled``: a GradScaler runs, and it skips exactly the steps
-    whose unscaled gradients hold an inf/NaN, the ones whose gradient norm (taken after
-    ``unscale_``) is inf/NaN: those are counted as skipped, and their norm in no mean or
-    maximum."""
+    tensor, which a device may not have at all (MPS, some Intel GPUs). ``scaled``: a
+    GradScaler runs, and it skips exactly the steps whose unscaled gradients hold an
+    inf/NaN, the ones whose gradient norm (taken after ``unscale_``) is inf/NaN: those are
+    counted as skipped, and their norm in no mean or maximum."""
 
     def __init__(self, scaled: bool) -> None:
         self.scaled = scaled
