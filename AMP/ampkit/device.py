@@ -147,10 +147,12 @@ def reset_peak_memory(device: torch.device, all_gpus: bool = False) -> bool:
             for i in _devices(device, all_gpus):
                 torch.accelerator.reset_peak_memory_stats(i)
             return True
-        except (RuntimeError, NotImplementedError, AttributeError):  # no allocator stats
+        # A device whose allocator keeps no statistics has no peak to reset.
+        except (RuntimeError, NotImplementedError, AttributeError):
             return False
     try:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current RSS
+        # "5" resets Linux's peak RSS (VmHWM) to the current RSS.
+        Path("/proc/self/clear_refs").write_text("5")
         return True
     except OSError:
         return False
@@ -173,7 +175,8 @@ def peak_memory_mb(device: torch.device, all_gpus: bool = False) -> Optional[flo
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024.0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    # ru_maxrss is in KiB on Linux, in bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
@@ -258,7 +261,8 @@ def set_tf32(enabled: Optional[bool]) -> str:
     does under --compile) raises on torch 2.14, the former keeps every reading consistent."""
     if enabled is not None:
         conv = getattr(torch.backends.cudnn, "conv", None)
-        if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9
+        # torch 2.9 on; earlier releases have allow_tf32 alone.
+        if conv is not None and hasattr(conv, "fp32_precision"):
             conv.fp32_precision = "tf32" if enabled else "ieee"
         else:
             torch.backends.cudnn.allow_tf32 = enabled
@@ -300,7 +304,9 @@ MATHS = ("half", "tf32", "fp32")
 def peak_tflops(gpu_name: str, math: str) -> Optional[float]:
     """One GPU's dense peak for ``math`` (``half``, ``tf32`` or ``fp32``); None if unknown."""
     column = MATHS.index(math) + 1
-    for row in PEAKS:  # whole words: an "RTX A1000" is no A100
+    # The first row that matches, on whole words: a longer name stands above its prefix
+    # ("H100 NVL" above "H100"), and an "RTX A1000" is no A100.
+    for row in PEAKS:
         if re.search(rf"\b{row[0]}\b", gpu_name):
             return float(row[column])
     return None

@@ -55,10 +55,12 @@ Step = Callable[[MicroBatches], Tuple[List[torch.Tensor], torch.Tensor]]
 class Technique:
     """What a script's ``build()`` returns: the objects that make its variant, which the loop
     runs, the saver checkpoints and the meters read."""
-    model: nn.Module                           # the network as the script runs it
-    optimizer: torch.optim.Optimizer           # made by the script, over what it trains
-    train_step: Step                           # one optimizer step over its micro-batches
-    autocast: Optional[torch.autocast] = None  # validation runs under it too
+    # The network as the script runs it: wrapped for its parallel mode.
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    train_step: Step
+    # Validation runs under it too: it measures the model the way it trains.
+    autocast: Optional[torch.autocast] = None
     scaler: Optional[torch.amp.GradScaler] = None
     # FSDP2's MixedPrecisionPolicy, where the parameters are cast instead of the ops.
     mp_policy: Optional[object] = None
@@ -170,12 +172,14 @@ def count_correct(model: nn.Module, loader: Iterable, info: DistInfo,
     model.eval()
     counts = torch.zeros(2, dtype=torch.int64, device=device)
     forwards = len(loader)
-    if info.distributed:  # one host read per validation
+    # The longest shard's count sets every rank's forwards: one host read per validation.
+    if info.distributed:
         with torch.profiler.record_function(HOST_READ):
             forwards = int(max_over_ranks(torch.tensor(forwards, device=device), info).item())
     batches, padding = iter(loader), None
     for _ in progress_bar(range(forwards), desc=desc, disable=not info.is_main):
-        batch = next(batches, None)  # None: this rank's shard has run out
+        # None: this rank's shard has run out, while a peer's has not.
+        batch = next(batches, None)
         if batch is None and not info.distributed:
             break
         if batch is None and padding is None:
@@ -185,9 +189,11 @@ def count_correct(model: nn.Module, loader: Iterable, info: DistInfo,
         with autocast or contextlib.nullcontext():
             outputs = model(images)
         if batch is None:
-            continue  # a forward for the peers' collectives, not counted
+            continue
         counts[0] += (outputs.argmax(dim=1) == batch[1]).sum()
         counts[1] += batch[1].shape[0]
         padding = images
-    next(batches, None)  # to its end: a loader's bookkeeping after its last batch
+    # The loop stops after ``forwards`` batches without asking for another: a loader does
+    # its bookkeeping after its last batch, once it is asked for the next.
+    next(batches, None)
     return counts

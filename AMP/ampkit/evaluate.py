@@ -43,7 +43,8 @@ class Evaluation:
         ``autocast``: evaluate under autocast in ``amp_dtype`` (None: the device's default)."""
         self.name, self.info = name, this_process(device)
         self.path = checkpoint_files.resolve(checkpoint)
-        state = checkpoint_files.load(self.path, map_location="cpu")  # to the device with the model
+        # Onto the CPU: the weights reach the device with the model they are loaded into.
+        state = checkpoint_files.load(self.path, map_location="cpu")
         trained = state.get("args") or {}
         self.dataset = dataset or trained.get("dataset") or "CIFAR10"
         root = Path(dataset_root or trained.get("dataset_root") or DATA_DIR)
@@ -54,7 +55,8 @@ class Evaluation:
                             "out: the eval scripts rebuild the checkpoint's network)")
         check_arch_flags(self.arch, self.img_size)
         self._say_what_it_was_trained_on(trained, root)
-        with local_main_first(self.info):  # a download: one process per node, the others after
+        # The data set may be downloaded: by one process per node, the others after it.
+        with local_main_first(self.info):
             data = build_loaders(self.dataset, root, self.img_size, batch_size, self.info,
                                  loader=loader, num_workers=num_workers,
                                  channels_last=channels_last, train=False, skip_bad=skip_bad)

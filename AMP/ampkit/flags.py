@@ -29,7 +29,7 @@ TENSORBOARD_DIR = REPO_ROOT / "tensorboard"
 DATASETS = ("CIFAR10", "FashionMNIST", "ImageFolder", "FakeData")
 AMP_DTYPES = ("float16", "bfloat16")
 LOADERS = ("auto", "fast", "classic")
-COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes that --compile takes
+COMPILE_MODES = ("default", "reduce-overhead")
 # Each compiled forward starts a new CUDA graph generation, which overwrites the gradients the
 # previous micro-batch's backward left in the graphs' memory pool: the next backward's
 # accumulation into them raises (torch/_inductor/cudagraph_trees.py).
@@ -300,13 +300,14 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozens
     """The flags (their ``dest``) that ``argv`` gives, as opposed to those left at their
     defaults: ``argv`` parsed again with every default suppressed, so that abbreviations
     and ``--flag=value`` count as they do in the real parse."""
-    for action in parser._actions:  # argparse has no public list of its actions
+    # argparse has no public list of its actions.
+    for action in parser._actions:
         action.default = argparse.SUPPRESS
     return frozenset(vars(parser.parse_args(argv)))
 
 
 # ---- what travels between the processes: DDP's comm hook, FSDP2's reduce dtype
-REDUCE_DTYPES = ("float32", "bfloat16", "float16")  # train_FSDP_mixed.py
+REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_wire_flags(p: argparse.ArgumentParser) -> None:

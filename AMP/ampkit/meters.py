@@ -34,19 +34,31 @@ from .models import arch_flops_per_image
 
 @dataclass
 class TrainStats:
-    loss: float          # mean training loss over the epoch's finite steps (all ranks)
-    images: int          # images trained on, all ranks together
-    seconds: float       # wall time of the training loop alone
-    steps: int           # optimizer steps taken
-    skipped: int         # steps GradScaler skipped because of inf/NaN gradients
-    nonfinite: int       # steps whose loss or gradient norm was inf/NaN
-    stopped_at: Optional[int] = None  # optimizer step within the epoch where a stop ended it
-    data_seconds: float = 0.0  # part of `seconds` spent waiting for input (rank 0's)
-    grad_norm_mean: float = float("nan")  # gradient norm before clipping, over the finite,
-    grad_norm_max: float = float("nan")   # not skipped steps (rank 0's: the same on all ranks)
-    finite_images: int = 0  # the images of the steps the loss is the mean of
-    norm_steps: int = 0     # the steps the gradient norm is the mean of
-    worst_run: int = 0      # the most inf/NaN steps in a row (any rank's)
+    # Over the epoch's finite steps, all ranks: a single inf/NaN step would make the mean NaN.
+    loss: float
+    # All ranks together.
+    images: int
+    # Wall time of the training loop alone.
+    seconds: float
+    # Optimizer steps, not micro-batches.
+    steps: int
+    # GradScaler skips a step whose gradients hold an inf/NaN.
+    skipped: int
+    # Steps whose loss or gradient norm was inf/NaN.
+    nonfinite: int
+    # The optimizer step within the epoch where a stop ended it (None: the epoch ran whole).
+    stopped_at: Optional[int] = None
+    # The part of ``seconds`` spent waiting for input (rank 0's).
+    data_seconds: float = 0.0
+    # The gradient norm before clipping, over the finite, not skipped steps: rank 0's, which
+    # is every rank's, since the norm is taken of the reduced gradients.
+    grad_norm_mean: float = float("nan")
+    grad_norm_max: float = float("nan")
+    # What the two means are of: after() weights a resumed epoch's two parts by them.
+    finite_images: int = 0
+    norm_steps: int = 0
+    # The most inf/NaN steps in a row (any rank's).
+    worst_run: int = 0
 
     @property
     def images_per_s(self) -> float:
@@ -58,8 +70,10 @@ class TrainStats:
         if before is None:
             return self
 
-        def mean(a: float, n: int, b: float, m: int) -> float:  # of n a's and m b's
-            if not n or not m:  # one side's mean is NaN (of nothing)
+        # The mean of n values whose mean is a and m whose mean is b.
+        def mean(a: float, n: int, b: float, m: int) -> float:
+            # A side of no values has a NaN mean, which would turn the weighted sum NaN.
+            if not n or not m:
                 return a if n else b
             return (a * n + b * m) / (n + m)
 
@@ -90,11 +104,13 @@ class StepFigures:
 
     def __init__(self, scaled: bool) -> None:
         self.scaled = scaled
-        self.t0 = time.perf_counter()  # the training loop's clock (the device synced)
+        # The caller synced the device first, so no earlier work is timed as training.
+        self.t0 = time.perf_counter()
         self._pending: List[Tuple[List[torch.Tensor], torch.Tensor, List[int]]] = []
         self.images = self.finite_images = self.norm_steps = 0
         self.nonfinite = self.skipped = self.bad_run = self.worst_run = 0
-        self.loss_sum = self.norm_sum = 0.0  # loss x images of the finite steps; norms
+        # Each finite step's loss weighted by its images, so that the mean is per image.
+        self.loss_sum = self.norm_sum = 0.0
         self.norm_max = float("nan")
 
     def add(self, losses: List[torch.Tensor], norm: torch.Tensor, sizes: List[int]) -> None:
@@ -206,8 +222,9 @@ class Meters(StepMeters):
             log.warn(comm_hook.caveat(info.world_size, technique.scaler))
         self.peak, note = run_peak(peak_tflops, info.device, amp_dtype, fp32_math)
         log.warn(note)
-        gpus = torch.cuda.device_count() if self.dp and info.device.type == "cuda" else 1  # DP
-        self.devices = info.world_size * gpus  # what the peak is multiplied by
+        # The peak is one device's: under DataParallel one process drives every visible GPU.
+        gpus = torch.cuda.device_count() if self.dp and info.device.type == "cuda" else 1
+        self.devices = info.world_size * gpus
         self.train_seconds, self.train_flops, self.start = 0.0, 0.0, None
 
     def begin_epoch(self, epoch: int, info: DistInfo) -> StepFigures:
@@ -231,16 +248,19 @@ class Meters(StepMeters):
         """The epoch's log row: ``stats`` (:class:`TrainStats`), validation's counts, and
         every rank's peak memory (and, with --skip_bad_images, the images each left out)
         gathered: every rank calls it."""
-        before = self.resumed.so_far_in(epoch) or {}  # a resumed epoch's part before its stop
+        # A resumed epoch's stats include its part before the stop, which the stopped run
+        # trained: the run's time and FLOPs count this process's own part alone.
+        before = self.resumed.so_far_in(epoch) or {}
         seconds_before, images_before = before.get("seconds", 0.0), before.get("images", 0)
-        self.train_seconds += stats.seconds - seconds_before  # this process's own
+        self.train_seconds += stats.seconds - seconds_before
         self.train_flops += (stats.images - images_before) * self.flops_per_image
         t0, lr, reset = self.start
         peak = peak_memory_mb(self.info.device, all_gpus=self.dp)
         mine = (round(peak, 1) if peak is not None else None, self.data.take_unreadable())
-        ranks = gather_from_ranks([mine], self.info)  # every rank's peak this epoch
+        ranks = gather_from_ranks([mine], self.info)
         peaks, unreadable = [peak for peak, _ in ranks], [u for _, left in ranks for u in left]
-        known = [peak for peak in peaks if peak is not None]  # None: the device keeps none
+        # None: a device whose allocator keeps no peak.
+        known = [peak for peak in peaks if peak is not None]
         scaler = self.technique.scaler
         row = {"epoch": epoch + 1, "train_loss": stats.loss, "val_acc": correct / seen,
                "val_correct": correct, "val_seen": seen, "lr": lr,

@@ -28,7 +28,8 @@ from .randomness import seed_streams
 
 
 DEFAULT_ARCH = "alexnet"
-MIN_ALEXNET_SIZE = 63  # AlexNet's feature extractor needs at least 63x63 input
+# AlexNet's features shrink a smaller input below the 3x3 window of their last max-pool.
+MIN_ALEXNET_SIZE = 63
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,14 +69,16 @@ def check_input_size(arch: str, img_size: int) -> None:
         raise UserError(f"--img_size {img_size} does not suit --arch {arch}: {reason}")
 
 
-@functools.lru_cache(maxsize=None)  # a pure function of its flags: once per process
+# A pure function of its flags: its forward runs once per process, however often asked.
+@functools.lru_cache(maxsize=None)
 def _meta_forward_problem(arch: str, img_size: int) -> Optional[str]:
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = torchvision.models.get_model(arch, num_classes=10, **builder_kwargs(arch))
             model.eval()(torch.empty(2, 3, img_size, img_size))
-    except Exception as e:  # whatever the model raises on an input it cannot take
+    # Whatever the model raises on an input it cannot take.
+    except Exception as e:
         return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
     return None
 
@@ -97,10 +100,12 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False) -> nn.Mod
     kwargs = builder_kwargs(arch)
     if not pretrained:
         return torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
-    weights = torchvision.models.get_model_weights(arch).DEFAULT  # downloaded via torch.hub
+    # Downloaded through torch.hub, into its cache: where the error below says to put them.
+    weights = torchvision.models.get_model_weights(arch).DEFAULT
     try:
         model = torchvision.models.get_model(arch, weights=weights, **kwargs)
-    except (OSError, RuntimeError) as e:  # no network (URLError), a broken or partial file
+    # No network (a URLError is an OSError), or a broken or partial file.
+    except (OSError, RuntimeError) as e:
         where = Path(torch.hub.get_dir()) / "checkpoints" / weights.url.rsplit("/", 1)[-1]
         raise UserError(f"--pretrained: cannot get torchvision's {arch} weights "
                         f"({(str(e).splitlines() or [type(e).__name__])[0][:120]}). Without a "
@@ -151,9 +156,11 @@ class AutocastForward(nn.Module):
     def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         self.module = module
-        self.amp_dtype = dtype  # a plain attribute: DataParallel's replicas copy it
+        # A plain attribute, which DataParallel's replicas copy: autocast_forward reads it
+        # in each replica's thread.
+        self.amp_dtype = dtype
 
-    @autocast_forward  # reads self.amp_dtype
+    @autocast_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x)
 
@@ -218,7 +225,7 @@ def make_network(arch: str, num_classes: int, info: DistInfo, *, seed: int,
     the channels_last memory format with ``channels_last``."""
     torch.manual_seed(seed)
     network = build_model(arch, num_classes, pretrained=pretrained)
-    seed_streams(seed, info.rank, info.device.type == "cuda")  # dropout: each rank its own
+    seed_streams(seed, info.rank, info.device.type == "cuda")
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     return network.to(info.device, memory_format=memory_format)
 
@@ -230,7 +237,8 @@ def compile_in_place(model: torch.nn.Module, mode: str = "default") -> None:
     torch's AMP notes warn against for code that, like ours, calls backward() outside
     autocast. ``reduce-overhead``: the compiled graphs are also captured and replayed as
     CUDA graphs (one launch for a graph's kernels): CUDA's alone."""
-    from torch._functorch import config as functorch_config  # private: where torch keeps it
+    # A private module, but the only place torch keeps this setting.
+    from torch._functorch import config as functorch_config
 
     if isinstance(model, torch.nn.DataParallel):
         raise UserError("--compile is supported for single-device, DDP and FSDP2 runs, not "
@@ -239,7 +247,8 @@ def compile_in_place(model: torch.nn.Module, mode: str = "default") -> None:
     if mode == "reduce-overhead" and device.type != "cuda":
         raise UserError(f"--compile reduce-overhead replays CUDA graphs: CUDA's alone, not the "
                         f"{device.type}'s; --compile compiles without them")
-    if hasattr(functorch_config, "backward_pass_autocast"):  # not in every torch release
+    # Not in every torch release.
+    if hasattr(functorch_config, "backward_pass_autocast"):
         functorch_config.backward_pass_autocast = "off"
     model.compile(mode=mode)
 
@@ -249,7 +258,8 @@ def arch_flops_per_image(arch: str, num_classes: int, image_shape: Tuple[int, ..
     (:func:`training_flops_per_image`), built on the meta device from its name: the run's own
     network may be sharded or wrapped by then."""
     with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # an initialiser's warning about meta tensors
+        # The initialisers warn about meta tensors, which are meant here.
+        warnings.simplefilter("ignore")
         network = build_model(arch, num_classes)
     return training_flops_per_image(network, image_shape)
 

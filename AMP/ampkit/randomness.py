@@ -26,7 +26,8 @@ def seed_streams(seed: int, rank: int, cuda: bool) -> None:
     dropout masks on their chunks of the batch."""
     torch.manual_seed(derived_seed(seed, 1, rank))
     if cuda:
-        torch.cuda.init()  # the generators exist once CUDA is initialised (no context yet)
+        # default_generators is empty until CUDA is initialised; init() makes no context.
+        torch.cuda.init()
         for index in range(torch.cuda.device_count()):
             torch.cuda.default_generators[index].manual_seed(derived_seed(seed, 2, rank, index))
 
@@ -45,7 +46,9 @@ def random_state(device: torch.device) -> dict:
 def restore_random_state(saved: Any, rank: int, world_size: int, device: torch.device) -> str:
     """This rank's saved streams back (``saved``: one entry per rank; an older checkpoint's
     dict: rank 0's alone). "" when restored; else what the streams are instead, in words."""
-    if isinstance(saved, dict):  # written before every rank's streams were saved
+    # A dict was written before every rank's streams were saved: rank 0's alone, which only
+    # a one-process run can take as its own.
+    if isinstance(saved, dict):
         saved = [saved] if world_size == 1 else None
     if not isinstance(saved, list) or len(saved) != world_size:
         return (f"the random streams (dropout) start anew from --seed: the checkpoint holds "
@@ -57,7 +60,8 @@ def restore_random_state(saved: Any, rank: int, world_size: int, device: torch.d
     states: Optional[Any] = (mine.get("devices") if mine.get("device_type") == device.type
                              else mine.get("cuda") if device.type == "cuda" else None)
     if device.type != "cpu" and states is not None:
-        states = states if isinstance(states, list) else [states]  # older: this device's
+        # Older checkpoints kept this device's state alone, not a list of every device's.
+        states = states if isinstance(states, list) else [states]
         module = torch.get_device_module(device.type)
         if len(states) == 1 and not hasattr(module, "get_rng_state_all"):
             module.set_rng_state(states[0])

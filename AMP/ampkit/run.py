@@ -84,7 +84,8 @@ class RunLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)  # closing the file releases the lock
+            # The flock is the open file's: closing it releases the lock.
+            os.close(self.fd)
             self.fd = None
 
 
@@ -105,7 +106,8 @@ class RunFolder:
         try:
             if tensorboard_dir is not None:
                 self.tb_dir = prepare_run_dir(tensorboard_dir) / time.strftime("%Y%m%d-%H%M%S")
-        except BaseException:  # a run that could not start leaves the folder to the next
+        # A run that could not start leaves the folder to the next one.
+        except BaseException:
             self.lock.release()
             raise
 
@@ -124,7 +126,9 @@ class RunFolder:
     def end(self, meters, saver, vote: StopVote, log: RunLogger) -> None:
         """After the epochs: the last save written, the run's last vote (a signal during the
         last epoch's end), then the last line: the summary, or where a stop saved."""
-        saver.finish()  # the last save, which may still be in flight; no spare file left
+        # The last save may still be in flight: it is written before the last line says
+        # where it is.
+        saver.finish()
         if saver.stopped_at is None and saver.resumed.epoch < saver.epochs:
             if vote.any_rank_asked():
                 saver.stopped_at = (saver.epochs, 0)
@@ -202,7 +206,8 @@ class RunLogger:
             kept = "" if self.resume_epoch is None else self._kept_rows()
             tmp = self.jsonl_path.with_name(f".{self.jsonl_path.name}.tmp")
             tmp.write_text(kept, encoding="utf-8")
-            os.replace(tmp, self.jsonl_path)  # the old log stays whole until the new one is
+            # Through a temporary file: the old log stays whole until the new one is.
+            os.replace(tmp, self.jsonl_path)
             self.jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(row) + "\n")
@@ -359,7 +364,8 @@ def report_user_errors(main: Callable) -> Callable:
                 who = f"rank {_rank()}: " if e.every_rank and _several() else ""
                 print(f"{prog}: error: {who}{e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
-        except KeyboardInterrupt as e:  # a terminal's Ctrl-C reaches every rank: rank 0 says it
+        # A terminal's Ctrl-C reaches every rank: rank 0 alone says it.
+        except KeyboardInterrupt as e:
             if _rank() == 0:
                 print(f"{prog}: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr,
                       flush=True)

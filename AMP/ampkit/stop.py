@@ -60,10 +60,13 @@ class StopFlag:
     between two bytecodes of the main thread) and the stop the ranks agreed on."""
 
     def __init__(self) -> None:
-        self.requested = False  # a stop signal came to this process
-        self.signal_name = ""   # which (the last one)
-        self.agreed = ""        # the signal every rank stops with, once voted ("": none yet)
-        self.own = True         # the agreed signal came to this process
+        # A stop signal came to this process; signal_name is the last one's.
+        self.requested = False
+        self.signal_name = ""
+        # The signal every rank stops with, once voted ("": none yet), and whether it came to
+        # this process.
+        self.agreed = ""
+        self.own = True
 
     @property
     def signum(self) -> int:
@@ -95,7 +98,8 @@ class StopSignals:
     def _handler(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.stop.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            # A second Ctrl-C: the user will not wait for the step to end.
+            raise KeyboardInterrupt
         self.stop.request(name)
         self.say(f"\n{name} received: stopping after this optimizer step (several processes: "
                  "all of them, after the next)")

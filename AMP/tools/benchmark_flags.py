@@ -17,12 +17,13 @@ from .variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
 
 DESCRIPTION = "Steady-state training throughput of each variant, and of the input pipeline alone."
 PIPELINES = {"all": ["article", "classic", "fast"], "both": ["classic", "fast"],
-             "no_classic": ["article", "fast"],  # a machine whose /dev/shm holds no worker
+             # For a machine whose /dev/shm cannot hold the classic path's workers.
+             "no_classic": ["article", "fast"],
              "article": ["article"], "classic": ["classic"], "fast": ["fast"], "none": []}
 
 
 def build_parser() -> Parser:
-    # allow_abbrev=False: --dataset_r is no abbreviation of --dataset_root
+    # allow_abbrev=False: a mistyped --dataset_r must not pass for --dataset_root.
     p = Parser(prog="benchmark.py", description=DESCRIPTION, allow_abbrev=False,
                formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(
                    prog, max_help_position=32))
@@ -132,7 +133,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                 "all-reduces, not what it times")
     if args.powersgd_rank <= 0:
         p.error("--powersgd_rank must be a positive integer")
-    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: its group
+    # torchrun sets WORLD_SIZE: its processes measure the distributed variants together.
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.world_size > 1:
         alone = [v for v in names if TRAIN_VARIANTS[v][0] not in DISTRIBUTED]
         if alone:

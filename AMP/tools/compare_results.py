@@ -76,10 +76,12 @@ def write_results(comp: Comparison, results: List[VariantResult], plot: bool = T
         run_logs.read_log(comp.run_dir(r.variant, r.seed) / "log.jsonl"))
         for r in results}
     bars, bands = results, None
-    if summaries is not None:  # one bar and one band per variant, over its seeds
+    # Several seeds: one bar and one band per variant, over its seeds.
+    if summaries is not None:
         bars = [stats.mean_result(s) for s in summaries]
         bands = {s.first.variant: stats.band([curves[comp.under(Path(), r.seed) / r.variant]
                                               for r in s.finished]) for s in summaries}
+    # Neither a plot nor TensorBoard may cost the user the table: a failure is a warning.
     figure = None
     try:
         figure = plot_results(
@@ -87,12 +89,12 @@ def write_results(comp: Comparison, results: List[VariantResult], plot: bool = T
             bands=bands, title=f"{arch_name(a.arch)}, {a.dataset}{subset_words(a.train_subset)} "
                                f"{a.img_size}px, "
                                f"{a.epochs} epochs, {machine}")
-    except Exception as e:  # a plot must not cost the user the table
+    except Exception as e:
         print(f"compare.py: warning: results.png not written ({e})", file=sys.stderr)
     if a.tensorboard:
         try:
             write_tensorboard(comp.tb_dir, curves, comp.started, figure)
-        except Exception as e:  # nor TensorBoard
+        except Exception as e:
             print(f"compare.py: warning: TensorBoard curves not written ({e})",
                   file=sys.stderr)
     return text
@@ -108,7 +110,8 @@ def write_tensorboard(tb_dir: Path, curves: Dict[str, List[Tuple[int, float, flo
     curve (``run_logs.accuracy_curve`` points): step = cumulative training time in ms, wall
     time = ``start`` + that time. ``figure`` (the results figure) goes to ``tb_dir`` as
     ``compare/results``."""
-    from torch.utils.tensorboard import SummaryWriter  # only with --tensorboard
+    # Imported here: only --tensorboard needs TensorBoard.
+    from torch.utils.tensorboard import SummaryWriter
 
     for variant, points in curves.items():
         if not points:

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-import torch  # only to see the devices; the children do the work
+# Only to see the devices: the child processes do the training.
+import torch
 
 from ampkit.device import device_type
 
@@ -22,7 +23,8 @@ from . import run_logs, runner
 from .report import FAILED, INTERRUPTED, NOT_RUN, OK, VariantResult
 from .variants import DISTRIBUTED, TRAIN_VARIANTS, eval_name, script_of
 
-AMP_DIR = Path(__file__).resolve().parents[1]  # the scripts
+# The scripts' folder, AMP/.
+AMP_DIR = Path(__file__).resolve().parents[1]
 
 
 def gpu_name() -> str:
@@ -56,13 +58,15 @@ def short(path: Path) -> str:
 class Comparison:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.device = device_type(args.device)  # --device auto: what the machine has
+        # --device auto becomes the device type this machine has.
+        self.device = device_type(args.device)
         self.cuda = self.device == "cuda"
         self.gpus = torch.accelerator.device_count() if self.device != "cpu" else 0
         self.nproc = args.nproc or (self.gpus if self.device != "cpu" else 2)
         self.amp_dtype = args.amp_dtype or ("bfloat16" if self.device == "cpu" else "float16")
         self.torch_version = torch.__version__
-        self.started = time.time()  # the common start of the TensorBoard accuracy curves
+        # One start for every variant's TensorBoard accuracy curve, so that they line up.
+        self.started = time.time()
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.stamp = stamp
         n = 2
@@ -118,7 +122,8 @@ class Comparison:
             "--epochs", str(a.epochs), "--lr", repr(a.lr), "--seed", str(seed),
             *(["--train_subset", str(a.train_subset)] if a.train_subset is not None else []),
             "--checkpoint", str(self.run_dir(variant, seed).parent)]
-        if a.amp_dtype is not None and precision != "fp32":  # the fp32 scripts refuse it
+        # The mixed-precision scripts alone: the fp32 ones refuse --amp_dtype.
+        if a.amp_dtype is not None and precision != "fp32":
             cmd += ["--amp_dtype", a.amp_dtype]
         tb_root = self.under(self.tb_dir, seed) / (variant if "+" in variant else "")
         cmd += (["--tensorboard_log", str(tb_root)] if a.tensorboard else ["--no-tensorboard"])

@@ -21,7 +21,8 @@ from PIL import Image
 
 def write_digits(root: Path, val_fraction: float = 0.2, seed: int = 0) -> Path:
     """Write the digits under ``root`` (which must not hold them yet); returns ``root``."""
-    from sklearn.datasets import load_digits  # scikit-learn: only for this data set
+    # Imported here: scikit-learn is needed for this data set alone.
+    from sklearn.datasets import load_digits
 
     digits = load_digits()
     rng = np.random.default_rng(seed)

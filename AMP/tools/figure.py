@@ -42,7 +42,8 @@ def _accuracy_panel(ax, results: Sequence[VariantResult],
     ax.set_ylabel("validation accuracy (top-1)")
     ax.set_title("accuracy vs training time")
     ax.grid(alpha=0.3)
-    if results:  # below the axes, never over the lines
+    # The legend goes below the axes, where it never hides a line.
+    if results:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8,
                   frameon=False)
 
@@ -63,7 +64,8 @@ def _bar_panel(ax, results: Sequence[VariantResult], values: Dict[str, Optional[
                 hatch=None if r.status == OK else "//")
         ax.text(v + 0.01 * top, i, fmt(r, v), va="center", fontsize=8)
     ax.set_xlim(0, top * 1.3)
-    ax.set_ylim(max(len(results), 1) - 0.5, -0.5)  # the first variant on top
+    # Inverted limits: the first variant stands on top.
+    ax.set_ylim(max(len(results), 1) - 0.5, -0.5)
     ax.grid(axis="x", alpha=0.3)
     return drawn
 

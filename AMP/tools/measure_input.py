@@ -39,14 +39,18 @@ KINDS = ("article", "classic", "fast")
 
 @dataclass
 class PipelineResult:
-    path: str                # one of KINDS
-    dataset: str             # "CIFAR10", or "CIFAR10 (generated, N)" images in its format
+    # One of KINDS.
+    path: str
+    # "CIFAR10 (generated, N)" where the folder lacked CIFAR-10: N images in its format.
+    dataset: str
     img_size: int
     batch_size: int
     num_workers: int
     device: str
-    images_per_s: Optional[float] = None   # the best of ``repeat`` measurements
-    batches: int = 0         # timed batches (after the uncounted warm-up ones)
+    # The best of ``repeat`` measurements: noise only ever slows a path down.
+    images_per_s: Optional[float] = None
+    # Timed batches, after the warm-up ones.
+    batches: int = 0
     status: str = "ok"
     reason: str = ""
 
@@ -91,7 +95,8 @@ def _ctrl_c_between_batches() -> Iterator[Callable[[], None]]:
         if pressed:
             raise KeyboardInterrupt
 
-    if threading.current_thread() is not threading.main_thread():  # no handler there
+    # Only the main thread may set a signal handler: elsewhere Ctrl-C is left as it is.
+    if threading.current_thread() is not threading.main_thread():
         yield check
         return
     previous = signal.signal(signal.SIGINT, held)
@@ -112,7 +117,8 @@ def _endless(loader) -> Iterator:
     epoch = 0
     while True:
         sampler = getattr(loader, "sampler", None)
-        sampler = getattr(sampler, "sampler", sampler)  # the order inside a ResumableSampler
+        # A ResumableSampler's epoch is the one of the sampler inside it.
+        sampler = getattr(sampler, "sampler", sampler)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         empty = True
@@ -146,7 +152,8 @@ def measure_input_pipeline(kind: str, *, root: Optional[Path] = None, img_size: 
         batches = _endless(loader)
         with _ctrl_c_between_batches() as ctrl_c:
             try:
-                for _ in range(warmup):  # worker start-up, first allocations: not counted
+                # Not timed: the workers' start-up and the first allocations.
+                for _ in range(warmup):
                     x = next(batches)[0]
                     x.to(device, non_blocking=x.is_pinned())
                     ctrl_c()
@@ -160,7 +167,9 @@ def measure_input_pipeline(kind: str, *, root: Optional[Path] = None, img_size: 
                     ctrl_c()
                 synchronize(device)
                 seconds = time.perf_counter() - t0
-            finally:  # persistent workers stopped before the data folder goes
+            # Persistent workers are stopped before the data folder, maybe a generated one,
+            # is removed from under them.
+            finally:
                 batches.close()
                 del batches, loader
     return images / seconds
@@ -175,7 +184,9 @@ def measure_pipelines(kinds: Sequence[str], root: Optional[Path], img_size: int,
     on the same data (``dataset`` under ``root``; CIFAR-10 missing there: generated images
     in its format). A path that fails is reported (``status="failed"``) and the others
     still run."""
-    n = max(batch_size * (warmup + batches + 1), 256)  # no epoch boundary inside the clock
+    # Enough images that no epoch boundary falls inside the clock: at one, the loader's
+    # prefetching starts over.
+    n = max(batch_size * (warmup + batches + 1), 256)
     shown = dataset if dataset != "CIFAR10" or has_cifar10(root) else f"CIFAR10 (generated, {n})"
     results = [PipelineResult(path=k, dataset=shown, img_size=img_size, batch_size=batch_size,
                               num_workers=num_workers if k == "classic" else 0,

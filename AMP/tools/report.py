@@ -22,16 +22,24 @@ class VariantResult:
     variant: str
     parallel: str
     precision: str
-    amp_dtype: str                 # "" for the fp32 variants
-    device: str                    # "cpu" or "cuda"
-    devices: int                   # GPUs (DP), processes (DDP) or 1
-    epochs: Optional[int] = None   # epochs completed (rows of log.jsonl)
-    wall_time_s: Optional[float] = None     # the training command, start to exit
-    train_time_s: Optional[float] = None    # sum of train_time: no validation, IO, startup
-    images_per_s: Optional[float] = None    # steady state, all devices together
+    # "" for the fp32 variants.
+    amp_dtype: str
+    device: str
+    # GPUs (DP), processes (DDP) or 1.
+    devices: int
+    # The rows of log.jsonl: a stopped or failed run completes fewer than asked for.
+    epochs: Optional[int] = None
+    # The training command, start to exit; train_time_s, its epochs' train_time alone,
+    # leaves out validation, IO and start-up, which wall time holds.
+    wall_time_s: Optional[float] = None
+    train_time_s: Optional[float] = None
+    # Steady state, all devices together.
+    images_per_s: Optional[float] = None
     peak_mem_mb: Optional[float] = None
-    peak_mem_source: str = ""      # "log" (peak_mem_mb in log.jsonl) or "rss" (measured here)
-    peak_mem_per_rank: str = ""    # under torchrun: each rank's, "2133 / 1901" (log only)
+    # "log" (peak_mem_mb in log.jsonl) or "rss" (measured here, where the log has none).
+    peak_mem_source: str = ""
+    # Under torchrun, each rank's from the log: "2133 / 1901".
+    peak_mem_per_rank: str = ""
     best_val_acc: Optional[float] = None
     test_acc: Optional[float] = None
     test_correct: Optional[int] = None
@@ -39,9 +47,11 @@ class VariantResult:
     status: str = NOT_RUN
     reason: str = ""
     checkpoint: str = ""
-    seed: Optional[int] = None              # the run's --seed
-    tflops: Optional[float] = None          # achieved TFLOP/s over the training loops
-    utilisation: Optional[float] = None     # its share of the devices' peak, where known
+    seed: Optional[int] = None
+    # Achieved over the training loops; utilisation is its share of the devices' peak,
+    # where the peak is known.
+    tflops: Optional[float] = None
+    utilisation: Optional[float] = None
 
 
 CSV_COLUMNS = [f.name for f in dataclasses.fields(VariantResult)]
@@ -134,7 +144,8 @@ def write_markdown(results: Sequence[VariantResult], path: Path, *, title: str,
 
 
 # --------------------------------------------------------------------------- the figure
-BASELINE = "train_without"  # fp32 on one device: what every technique is measured against
+# fp32 on one device: what every technique is measured against.
+BASELINE = "train_without"
 
 
 def speedups(results: Sequence[VariantResult], baseline: str = BASELINE

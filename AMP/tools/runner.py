@@ -23,8 +23,9 @@ from typing import IO, Dict, List, Optional, Sequence
 
 
 # --------------------------------------------------------------------------- failures
+# Lines no failure reason is in: rules drawn with = - * # _ ~, and tqdm bars.
 _DECORATION = re.compile(r"^[\s=\-*#_~]*$")
-_PROGRESS = re.compile(r"\d+%\|.*\|")                       # a tqdm bar
+_PROGRESS = re.compile(r"\d+%\|.*\|")
 _ERROR_LINE = re.compile(r"(\berror\b|Error\b|Exception\b|Traceback|Killed|Segmentation fault)",
                          re.IGNORECASE)
 _TORCHRUN_NOISE = ("ChildFailedError", "To enable traceback", "error_file", "elastic/errors",
@@ -62,7 +63,8 @@ class ChildRun:
     stdout: str
     stderr: str
     wall_s: float
-    max_rss_mb: Optional[float]  # peak RSS of the child or of its largest descendant
+    # wait4's figure: the peak RSS of the child or of its largest descendant, not their sum.
+    max_rss_mb: Optional[float]
     interrupted: bool = False
 
 
@@ -87,7 +89,8 @@ def _pump(src: IO[bytes], sinks: Sequence[IO[bytes]], keep: List[bytes], keep_ma
 
 
 def _rss_mb(ru_maxrss: int) -> float:
-    return ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)  # bytes on macOS, KiB on Linux
+    # ru_maxrss is in bytes on macOS, in KiB on Linux.
+    return ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 def run_child(cmd: Sequence[str], log_path: Optional[Path] = None, env: Optional[Dict] = None,
@@ -125,12 +128,14 @@ def run_child(cmd: Sequence[str], log_path: Optional[Path] = None, env: Optional
                 proc.wait()
             break
         except KeyboardInterrupt:
-            if interrupted:  # a second Ctrl-C: stop the child now
+            # A second Ctrl-C: the user will not wait for the child to save.
+            if interrupted:
                 proc.kill()
             interrupted = True
             print("\ncompare: interrupted; waiting for the running command to stop",
                   file=sys.stderr, flush=True)
-        except ChildProcessError:  # already reaped
+        # The child was reaped already.
+        except ChildProcessError:
             proc.wait()
             break
     wall = time.perf_counter() - t0

@@ -34,7 +34,8 @@ RULE = ("Δ test acc: the variant's mean over its seeds minus the mean of the fp
 @dataclass
 class Spread:
     mean: float
-    sd: float     # sample standard deviation (0 for one value)
+    # The sample standard deviation: 0 for one value, which has no spread to show.
+    sd: float
     lo: float
     hi: float
     n: int
@@ -92,9 +93,11 @@ def t_two_sided_p(t: float, df: float) -> float:
 
 @dataclass
 class Difference:
-    diff: float   # mean(a) - mean(b)
-    se: float     # its standard error
-    p: Optional[float]  # Welch's two-sided p; None where there is no spread to test against
+    # mean(a) - mean(b), and its standard error.
+    diff: float
+    se: float
+    # Welch's two-sided p; None where there is no spread to test against.
+    p: Optional[float]
 
     @property
     def within_noise(self) -> bool:
@@ -107,7 +110,8 @@ def welch(a: Sequence[float], b: Sequence[float]) -> Optional[Difference]:
         return None
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     diff, se = statistics.fmean(a) - statistics.fmean(b), math.sqrt(va + vb)
-    if se == 0.0:  # every run of both alike: a difference is no noise, none is nothing
+    # Every run of both alike: a difference is no noise, and no difference is nothing.
+    if se == 0.0:
         return Difference(diff, 0.0, 1.0 if diff == 0.0 else None)
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     return Difference(diff, se, t_two_sided_p(diff / se, df))
@@ -116,7 +120,8 @@ def welch(a: Sequence[float], b: Sequence[float]) -> Optional[Difference]:
 @dataclass
 class SeedSummary:
     """One variant over its seeds."""
-    first: VariantResult                     # its first run: names, devices
+    # Its first run, for what all of them share: names, devices.
+    first: VariantResult
     runs: List[VariantResult]
     figures: Dict[str, Optional[Spread]] = field(default_factory=dict)
     delta: Optional[Difference] = None
@@ -152,7 +157,8 @@ def summarise_seeds(results: Sequence[VariantResult]) -> List[SeedSummary]:
     for variant, runs in by_variant.items():
         s = SeedSummary(runs[0], runs)
         s.figures = {k: spread([getattr(r, k) for r in s.finished]) for k in FIGURES}
-        script = variant.partition("+")[0]  # SCRIPT+LABEL: against SCRIPT's plain runs
+        # SCRIPT+LABEL is measured against SCRIPT's plain runs, where they ran.
+        script = variant.partition("+")[0]
         base = script if script != variant and script in by_variant else \
             BASELINES.get(runs[0].parallel, "")
         s.baseline = base if base in by_variant else ""

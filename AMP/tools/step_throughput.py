@@ -58,15 +58,20 @@ class StepResult:
     arch: str
     device: str
     devices: int
-    batch_size: int          # per micro-batch (per process for DDP)
+    # Per micro-batch, and per process for DDP.
+    batch_size: int
     img_size: int
     warmup: int
-    steps: int               # optimizer steps
-    accum_steps: int = 1     # micro-batches per optimizer step
+    # Optimizer steps, each of ``accum_steps`` micro-batches.
+    steps: int
+    accum_steps: int = 1
     channels_last: bool = False
-    compiled: str = ""       # torch.compile's mode ("" : eager)
-    fp32_math: str = ""      # CUDA fp32 variants: "tf32", "fp32" or "tf32 conv, fp32 matmul"
-    dp_scope: str = ""       # DP variants: "model" or "features"
+    # torch.compile's mode ("": eager).
+    compiled: str = ""
+    # CUDA fp32 variants: "tf32", "fp32" or "tf32 conv, fp32 matmul".
+    fp32_math: str = ""
+    # DP variants: "model" or "features".
+    dp_scope: str = ""
     seconds: Optional[float] = None
     step_ms: Optional[float] = None
     images_per_s: Optional[float] = None
@@ -74,11 +79,15 @@ class StepResult:
     peak_mem_kind: str = ""
     gflop_per_step: Optional[float] = None
     achieved_tflops: Optional[float] = None
-    utilisation: Optional[float] = None    # fraction of the precision's peak x devices
-    gpu_busy: Optional[float] = None       # --busy: the share of the wall time in kernels
-    speedup: Optional[float] = None        # images/s over the fp32 row of its parallel mode
-    comm_hook: str = ""      # DDP variants: --comm_hook
-    wire_mb_per_step: Optional[float] = None  # what this rank's hook sent a step
+    # The fraction of the precision's peak times the devices.
+    utilisation: Optional[float] = None
+    # --busy: the share of the wall time in kernels.
+    gpu_busy: Optional[float] = None
+    # images/s over the fp32 row of its parallel mode.
+    speedup: Optional[float] = None
+    # DDP variants: --comm_hook, and what this rank's hook sent a step.
+    comm_hook: str = ""
+    wire_mb_per_step: Optional[float] = None
     timer: str = ""
     note: str = ""
     status: str = "ok"
@@ -175,10 +184,13 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     hook = None if comm_hook == "none" else CommHook(comm_hook, powersgd_rank=powersgd_rank,
                                                      start_iter=2)
     t, pool, flops = _built(variant, res, device, num_classes, lr, amp_dtype, hook)
-    meters = StepMeters(t.scaler)  # the skipped steps, counted as in training
-    vote = StopVote(StopFlag(), Ballots(info))  # as in training: the ranks' vote every step
+    # As in training: the skipped steps are counted, and the ranks vote on a stop every
+    # step, so that a timed step costs what a training step does.
+    meters = StepMeters(t.scaler)
+    vote = StopVote(StopFlag(), Ballots(info))
 
-    def run(n: int, meters: StepMeters = meters, **kw):  # n steps, over the pool in turn
+    # n steps, over the pool's batches in turn.
+    def run(n: int, meters: StepMeters = meters, **kw):
         micro = [pool[i % len(pool)] for i in range(n * accum_steps)]
         with _all_reduce_every_micro_batch() if keep_sync else contextlib.nullcontext():
             return train_one_epoch(t.train_step, micro, info, meters=meters,
@@ -193,22 +205,26 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     seconds, stats = _timed(lambda: run(steps, desc=variant, log_every=steps + 1), device)
     res.peak_mem_mb = peak_memory_mb(device, all_gpus=res.parallel == "dp")
     res.seconds, res.step_ms = seconds, 1000.0 * seconds / steps
-    res.images_per_s = stats.images / seconds  # all ranks together
+    res.images_per_s = stats.images / seconds
     res.gflop_per_step = flops * accum_steps * info.world_size / 1e9
     res.achieved_tflops = res.gflop_per_step * steps / seconds / 1e3
-    if res.parallel == "ddp":  # counted as each bucket went, over the timed steps
+    # The hook counted each bucket as it went, since reset_counts(): the timed steps alone.
+    if res.parallel == "ddp":
         res.comm_hook, wire = comm_hook, wire_per_step(t.model, hook)
         res.wire_mb_per_step = wire.get("wire_mb_per_step")
     if busy and device.type == "cuda":
         res.gpu_busy = gpu_busy_share(lambda: run(10, desc="busy", log_every=11), device)
-    if profile is not None:  # started and stopped by train_one_epoch
+    # train_one_epoch starts and stops the profiler around its own steps.
+    if profile is not None:
         profiler = StepProfiler(profile, device)
         run(profiler.needed, StepMeters(t.scaler, profiler), desc=f"{variant} profile")
         print(profiler.report(), flush=True)
     peak = peak_tflops_fp32 if res.precision == "fp32" else peak_tflops
     if peak:
         res.utilisation = res.achieved_tflops / (peak * res.devices)
-    return res  # the caller frees the model (gc.collect, torch.cuda.empty_cache)
+    # The caller frees the model's memory (gc.collect, torch.cuda.empty_cache) before the
+    # next variant's.
+    return res
 
 
 def _built(variant: str, res: StepResult, device: torch.device, num_classes: int, lr: float,
@@ -230,7 +246,8 @@ def _built(variant: str, res: StepResult, device: torch.device, num_classes: int
                       dp_scope=res.dp_scope or "model", comm_hook=hook)
     res.amp_dtype = str(dtype)[6:] if dtype is not None else ""
     if res.compiled:
-        compile_in_place(t.model, mode=res.compiled)  # compiled during the warm-up steps
+        # The compile itself happens in the warm-up steps, outside the clock.
+        compile_in_place(t.model, mode=res.compiled)
     t.model.train()
     return t, pool, flops
 
@@ -242,7 +259,8 @@ def gpu_busy_share(steps, device: torch.device) -> float:
     launches. (CUDA events around a step cannot tell: they span the waits inside it too.)"""
     from torch.profiler import ProfilerActivity, profile
 
-    if device.type != "cuda":  # no CUDA kernel to count (and the profiler refuses to record none)
+    # No CUDA kernel to count, and the profiler refuses to record no activity at all.
+    if device.type != "cuda":
         return 0.0
     # The CUDA activity alone: recording every host op too would slow the very host the
     # share measures, an eager step's ~170 ops more than a graph replay's few.

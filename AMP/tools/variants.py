@@ -17,7 +17,8 @@ from torch import nn
 from ampkit.device import resolve_amp_dtype
 from ampkit.flags import DEFAULT_LR
 
-DISTRIBUTED = ("ddp", "fsdp")  # one process per device, started by torchrun
+# One process per device, started by torchrun.
+DISTRIBUTED = ("ddp", "fsdp")
 _PAR_NAME = {"single": "", "dp": "DP", "ddp": "DDP", "fsdp": "FSDP"}
 _PREC_NAME = {"fp32": "", "autocast": "autocast", "grad_scaler": "GradScaler", "mixed": "mixed"}
 
@@ -40,7 +41,8 @@ TRAIN_VARIANTS = dict(ARTICLE_VARIANTS)
 TRAIN_VARIANTS.update({train_name("fsdp", prec): ("fsdp", prec)
                        for prec in ("fp32", "autocast", "grad_scaler", "mixed")})
 
-LABEL = re.compile(r"[A-Za-z0-9_.-]+")  # SCRIPT+LABEL (compare.py): also a folder's name
+# SCRIPT+LABEL's label (compare.py) also names a folder: no character a path would misread.
+LABEL = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def script_of(variant: str) -> str:

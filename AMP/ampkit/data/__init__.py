@@ -29,16 +29,20 @@ from .on_device import fast_loaders
 class Loaders:
     """A run's data: its validation loader, what its training sampler draws from
     (``train_set``), and the training loader made for that sampler."""
-    name: str                   # --dataset
-    batch_size: int             # per process
-    train_set: Optional[Sized]  # what the training sampler draws from; None for eval
+    name: str
+    # Per process: the global batch is this times the processes and the accumulation steps.
+    batch_size: int
+    # None for an evaluation, which trains on nothing.
+    train_set: Optional[Sized]
     val: Iterable
     num_classes: int
     train_size: int
     val_size: int
-    kind: str                   # "fast" or "classic"
+    # "fast" (the data set held whole on the device) or "classic" (a DataLoader).
+    kind: str
     make_train: Optional[Callable[[Sampler[int]], Iterable]] = None
-    image_shape: Tuple[int, ...] = ()  # (3, --img_size, --img_size)
+    # (3, --img_size, --img_size): the FLOPs per image are counted at this size.
+    image_shape: Tuple[int, ...] = ()
     train: Optional[Iterable] = field(default=None, init=False)
 
     def train_loader(self, sampler: Sampler[int]) -> Iterable:

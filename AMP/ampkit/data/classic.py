@@ -44,7 +44,8 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
 def _exit_on_sigterm_from(parent: int) -> None:
     while True:
         if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
-            os._exit(0)  # as torch's own worker handler does for its parent's SIGTERM
+            # _exit, no cleanup: what torch's own worker handler does on its parent's SIGTERM.
+            os._exit(0)
 
 
 @contextlib.contextmanager
@@ -119,7 +120,9 @@ class CheckedLoader:
 
     def __len__(self) -> int:
         """The batches of this rank's whole epoch."""
-        n = getattr(self.sampler, "num_samples", len(self.sampler))  # a training sampler's
+        # A resumable training sampler's len() is a resumed epoch's rest; num_samples is the
+        # whole epoch.
+        n = getattr(self.sampler, "num_samples", len(self.sampler))
         return math.ceil(n / self.loader.batch_size)
 
     def __iter__(self) -> Iterator:
@@ -129,7 +132,9 @@ class CheckedLoader:
         """The epoch's batches from batch ``start`` on (a resumed epoch's rest; 0: all)."""
         if isinstance(self.sampler, ResumableSampler):
             self.sampler.start_index = start * self.loader.batch_size
-        with held_stop_signals():  # the workers start here, the first time
+        # iter() is where the workers are forked (the first time): the signals are held
+        # around it.
+        with held_stop_signals():
             batches = iter(self.loader)
         for images, targets, bad in batches:
             if bad and not self.skip:

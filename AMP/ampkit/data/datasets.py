@@ -32,9 +32,9 @@ from torchvision.datasets.utils import calculate_md5, download_url
 from ..errors import RankError, UserError
 
 
-CIFAR_CLASSES = 10  # its labels: 0..9
+CIFAR_CLASSES = 10
 CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
-ARCHIVE_MD5 = torchvision.datasets.CIFAR10.tgz_md5  # the published archive's
+ARCHIVE_MD5 = torchvision.datasets.CIFAR10.tgz_md5
 
 
 class CIFAR10(torchvision.datasets.CIFAR10):
@@ -64,7 +64,8 @@ class CIFAR10(torchvision.datasets.CIFAR10):
         if self._check_integrity():
             return
         archive = Path(self.root) / CIFAR_ARCHIVE
-        if not archive.is_file():  # one put there is checked, never downloaded over
+        # An archive put there by hand (no network) is checked, never downloaded over.
+        if not archive.is_file():
             # No md5 here: extract_cifar_archive hashes the 163 MB once, and says what is wrong.
             download_url(self.url, self.root, CIFAR_ARCHIVE)
         extract_cifar_archive(archive, Path(self.root))
@@ -95,7 +96,9 @@ def extract_cifar_archive(archive: Path, root: Path) -> None:
                         "again, or put the one from https://www.cs.toronto.edu/~kriz/ there")
     with tarfile.open(archive, "r:gz") as tar:
         members = tar.getmembers()
-        for member in members:  # all of them before anything is written
+        # Every member is checked before anything is written: a bad one leaves no
+        # half-extracted folder behind.
+        for member in members:
             why = _unsafe_member(member)
             if why is not None:
                 raise UserError(f"{archive}: nothing was extracted: its member {member.name!r} "
@@ -132,14 +135,16 @@ def _broken_cifar_file(folder: Path) -> Optional[Tuple[Path, str]]:
                 if bad is not None:
                     raise ValueError(f"label {labels[bad]!r} of image {bad} is not a class "
                                      f"index 0..{CIFAR_CLASSES - 1}")
-        except Exception as e:  # whatever a broken pickle raises
+        # A broken pickle may raise anything at all.
+        except Exception as e:
             return path, (str(e).splitlines() or [type(e).__name__])[0][:160]
     return None
 
 
 def _load_cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
     data = CIFAR10(str(root), train=train, transform=transform, download=download)
-    if _bad_label(data.targets) is not None:  # _broken_cifar_file names the file
+    # No file named here: cifar10() asks _broken_cifar_file which one it is.
+    if _bad_label(data.targets) is not None:
         raise ValueError("a label that is not a class index")
     return data
 
@@ -147,11 +152,13 @@ def _load_cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10
 def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
     """torchvision's CIFAR-10 under ``root``. Broken extracted files are named, and extracted
     again from the archive when it lies beside them (by the process allowed to download)."""
+    # A bad archive's UserError is one line already; anything else (URLError, socket errors,
+    # broken files) becomes one below.
     try:
         return _load_cifar10(root, train, transform, download)
-    except UserError:  # a bad archive: already one line
+    except UserError:
         raise
-    except Exception as e:  # URLError, socket errors, broken files: one line
+    except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
     folder, archive = Path(root) / CIFAR10.base_folder, Path(root) / CIFAR_ARCHIVE
     broken = _broken_cifar_file(folder) if folder.is_dir() else None
@@ -162,12 +169,14 @@ def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
             f"{root}, or use --dataset ImageFolder or --dataset FakeData")
     path, why = broken
     if download and archive.is_file():
+        # A bad archive, which extracts nothing, is what to fix first: its error goes out as
+        # it is.
         try:
             extract_cifar_archive(archive, Path(root))
             data = _load_cifar10(root, train, transform, download=False)
             print(f"{path} was broken ({why}): extracted it again from {archive}", flush=True)
             return data
-        except UserError:  # a bad archive, not extracted: that is what to fix first
+        except UserError:
             raise
         except Exception as e2:
             why += f"; extracting {archive} again did not help: {(str(e2).splitlines() or [''])[0]}"
@@ -179,7 +188,8 @@ def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
 # Fashion-MNIST's idx files, with more checks than torchvision's reader asserts, from a
 # folder holding them (Debian's dataset-fashion-mnist, gzipped) or torchvision's layout.
 FASHION_CLASSES = 10
-IMAGES_MAGIC, LABELS_MAGIC = 0x0803, 0x0801  # idx: 0x08 (unsigned bytes), then the dims
+# An idx file's magic number: 0x08 (unsigned bytes), then its number of dimensions.
+IMAGES_MAGIC, LABELS_MAGIC = 0x0803, 0x0801
 # Over the 60,000 training images, pixels scaled to 0..1.
 FASHION_MEAN, FASHION_STD = (0.2860,) * 3, (0.3530,) * 3
 FASHION_OFFLINE = ("apt install dataset-fashion-mnist, then --dataset_root "
@@ -243,8 +253,9 @@ def load_fashion_mnist(root: Path, train: bool,
     if folder is None and download:
         try:
             torchvision.datasets.FashionMNIST(str(root), train=train, download=True)
-        except Exception as e:  # URLError, socket errors, a failed md5: one line
-            # torchvision's error spans lines: the file, the mirrors tried, what each said.
+        except Exception as e:
+            # URLError, socket errors, a failed md5: torchvision's error spans lines (the file,
+            # the mirrors tried, what each said), and the user gets one.
             reason = " ".join(str(e).split())[:300] or type(e).__name__
             raise UserError(f"Fashion-MNIST is not in {root} and could not be downloaded "
                             f"({reason}). Without a network: {FASHION_OFFLINE}") from None
@@ -272,7 +283,9 @@ class FashionMNIST(torchvision.datasets.FashionMNIST):
         super().__init__(str(root), train=train, transform=transform)
 
     def _check_exists(self) -> bool:
-        return True  # load_fashion_mnist found and checked the files
+        # load_fashion_mnist found and checked the files, in a layout torchvision's own
+        # check may not know (Debian's, gzipped).
+        return True
 
     def _load_data(self):
         return self.checked
@@ -329,7 +342,9 @@ class ImageFolder(torchvision.datasets.ImageFolder):
         path, target = self.samples[index]
         try:
             with open(path, "rb") as f:
-                image = Image.open(f).convert("RGB")  # decodes it all: truncation shows here
+                # convert() decodes the whole image: a truncated file fails here, inside the
+                # try, not later in a transform.
+                image = Image.open(f).convert("RGB")
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             reason = ("not an image file PIL can read" if isinstance(e, UnidentifiedImageError)
                       else e.strerror if isinstance(e, PermissionError)
@@ -344,7 +359,9 @@ def _image_folder(root: Path, split: str, transform) -> ImageFolder:
         raise UserError(f"--dataset ImageFolder expects {folder}/ with one folder per class "
                         f"(and {root / ('val' if split == 'train' else 'train')}/ beside it)")
     try:
-        with os.scandir(folder) as entries:  # os.walk, in ImageFolder, skips unreadable ones
+        # Every class folder opened first: os.walk, in ImageFolder, skips unreadable ones
+        # without a word.
+        with os.scandir(folder) as entries:
             for entry in entries:
                 if entry.is_dir():
                     with os.scandir(entry.path):

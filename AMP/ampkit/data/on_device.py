@@ -120,7 +120,8 @@ class DeviceLoader:
         # (seed, epoch, rank) on the host and cut there: the classic path's, on any device,
         # and in a resumed epoch exactly those of the interrupted one.
         host = [torch.tensor(list(self.sampler)[first:], dtype=torch.int64)]
-        if self.train:  # [N, 1, 1, 1]: a batch's slice selects whole images
+        # [N, 1, 1, 1], so that a batch's slice of the flips broadcasts over whole images.
+        if self.train:
             host.append(self.sampler.flips(first).view(-1, 1, 1, 1))
         if pinned(self.device):
             # Pinned, so the copy is asynchronous: not even the epoch start waits for the GPU.

@@ -77,7 +77,7 @@ class ResumableSampler(Sampler[int]):
         return (torch.rand(self.num_samples, generator=gen) < 0.5)[start:]
 
     def __iter__(self) -> Iterator:
-        start, self.start_index = self.start_index, 0  # a resumed epoch's start, taken once
+        start, self.start_index = self.start_index, 0
         indices = itertools.islice(iter(self.sampler), start, None)
         return zip(indices, self.flips(start).tolist()) if self.pairs else indices
 
