@@ -17,7 +17,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from ampkit.checkpoint import Saver, restore, resume
@@ -34,12 +33,10 @@ from ampkit.run import RunFolder, header_line, report_user_errors
 
 
 def build(network, criterion, *, lr, clip_grad, comm_hook):
-    # A whole replica per process, already on its device (the article wrapped the model,
-    # then moved it); backward() averages the gradients over the processes.
-    model = DistributedDataParallel(network)
-    # What the all-reduce sends, bucket by bucket (--comm_hook): the fp32 gradients by
-    # DDP's own all-reduce (in C++: a Python hook would add ~20 ops a step), or a hook's
-    # fp16/bf16 cast (half the bytes) or PowerSGD's low-rank factors.
+    # A whole replica, already on its device (the article wrapped the model, then moved it).
+    model = torch.nn.parallel.DistributedDataParallel(network)
+    # What the all-reduce sends (--comm_hook): the fp32 gradients, by DDP's own in C++ (a Python
+    # hook adds ~20 ops a step), a hook's fp16/bf16 cast (half the bytes) or PowerSGD's factors.
     if comm_hook is not None:
         model.register_comm_hook(comm_hook.state, comm_hook.hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
@@ -53,8 +50,7 @@ def build(network, criterion, *, lr, clip_grad, comm_hook):
         n = sum(len(y) for _, y in micro_batches)
         optimizer.zero_grad(set_to_none=True)
         losses = []
-        # All micro-batches but the last inside no_sync, forward too: one all-reduce a
-        # step, of the summed gradients.
+        # All micro-batches but the last inside no_sync, forward too: one all-reduce a step.
         for i, (x, y) in enumerate(micro_batches):
             with model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                 losses.append(forward_backward(x, y, len(y) / n))
@@ -80,7 +76,6 @@ def main(argv=None):
     if device.type != "cpu":
         # Before any work on it, or every rank would use device 0.
         torch.accelerator.set_device_index(device.index)
-    # The backend of the device's type (NCCL on CUDA, XCCL on XPU, gloo on the CPU).
     dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
                             world_size=world_size, store=group_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
@@ -97,8 +92,8 @@ def main(argv=None):
                                      channels_last=args.channels_last,
                                      train_subset=args.train_subset,
                                      skip_bad=args.skip_bad_images)
-            # Each process its own share of the data, in a new order every epoch (the
-            # article's never changed its order).
+            # Each process its own share of the data, in an order new every epoch and the
+            # same on every rank (set_epoch); the article's never changed.
             sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
             loader = data.train_loader(sampler)
             network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
@@ -114,12 +109,10 @@ def main(argv=None):
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
 
-            # The unwrapped model, without DDP's "module." prefix; rank 0 alone writes it
-            # (the article saved on every rank, prefix and all).
+            # The bare model (no "module."); rank 0 alone writes it (the article: every rank).
             state = {"model": technique.model.module, "optimizer": technique.optimizer,
                      "scheduler": scheduler, "comm_hook": comm_hook}
-            # DDP's buckets in their final order from the first real step on, as in a run
-            # that never stopped.
+            # DDP's buckets in their final order from the first step, as in a run never stopped.
             settle_buckets(technique.model, data.image_shape, run.info, comm_hook)
 
             with (run.logger(resumed, args.epochs) as log,
@@ -139,7 +132,6 @@ def main(argv=None):
                                       fp32_math=fp32_math))
 
                 for epoch in range(resumed.epoch, args.epochs):
-                    # The sampler's order for this epoch, the same on every rank.
                     sampler.set_epoch(epoch)
                     technique.model.train()
                     stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
@@ -152,8 +144,7 @@ def main(argv=None):
                         break
                     counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                            desc="val")
-                    # Correct and seen summed over the ranks' disjoint shards: exact (the article
-                    # divided each rank's own count by the whole test set).
+                    # Every rank's counts summed (the article divided one rank's by the whole set).
                     dist.all_reduce(counts)
                     correct, seen = counts.tolist()
                     scheduler.step(correct / seen)

@@ -3,9 +3,8 @@
     torchrun --nproc_per_node=2 AMP/train_DDP_GradScaler.py --epochs 20
     python AMP/train_DDP_GradScaler.py --epochs 20      # a group of one process
 
-Every process has its own scaler, and they stay in step: the gradients they unscale are the
-same averaged ones, so all find the same inf/NaN, skip the same steps and keep the same
-scale. DDP's recipe: train_DDP.py.
+Every process has its own scaler, in step with the others': all unscale the same averaged
+gradients, so all skip the same steps and keep one scale. DDP's recipe: train_DDP.py.
 Pitfall: --batch_size is per process. fp16 needs the scaler; bf16 (--amp_dtype bfloat16)
 does not.
 """
@@ -15,7 +14,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from ampkit.checkpoint import Saver, restore, resume
@@ -32,25 +30,20 @@ from ampkit.run import RunFolder, header_line, report_user_errors
 
 
 def build(network, criterion, *, device, lr, amp_dtype, clip_grad, comm_hook):
-    # A whole replica per process, already on its device (the article wrapped the model,
-    # then moved it); backward() averages the gradients over the processes.
-    model = DistributedDataParallel(network)
+    # A whole replica, already on its device (the article wrapped the model, then moved it).
+    model = torch.nn.parallel.DistributedDataParallel(network)
     # One scaler for the whole run: its scale carries over from step to step.
     scaler = torch.amp.GradScaler(device.type)
-    # What the all-reduce sends, bucket by bucket (--comm_hook): the fp32 gradients by
-    # DDP's own all-reduce (in C++: a Python hook would add ~20 ops a step), or a hook's
-    # fp16/bf16 cast (half the bytes) or PowerSGD's low-rank factors.
+    # What the all-reduce sends (--comm_hook): the fp32 gradients, by DDP's own in C++ (a Python
+    # hook adds ~20 ops a step), a hook's fp16/bf16 cast (half the bytes) or PowerSGD's factors.
     if comm_hook is not None:
         model.register_comm_hook(comm_hook.state, comm_hook.hook)
-        # The buckets carry scaled gradients: PowerSGD's error feedback follows the scale
-        # (rescaled as it grows, dropped after a skipped step).
+        # The buckets carry scaled gradients: PowerSGD's error feedback follows the scale.
         comm_hook.follow_scale(scaler)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     autocast = torch.autocast(device.type, dtype=amp_dtype)
 
     def forward_backward(images, targets, weight):
-        # The forward pass and the loss under autocast; backward() needs none, as it
-        # follows the forward's dtypes.
         with autocast:
             loss = criterion(model(images), targets)
         # The gradients of loss x scale: fp16 gradients too small for fp16 survive.
@@ -61,20 +54,17 @@ def build(network, criterion, *, device, lr, amp_dtype, clip_grad, comm_hook):
         n = sum(len(y) for _, y in micro_batches)
         optimizer.zero_grad(set_to_none=True)
         losses = []
-        # All micro-batches but the last inside no_sync, forward too: one all-reduce a
-        # step, of the summed gradients.
+        # All micro-batches but the last inside no_sync, forward too: one all-reduce a step.
         for i, (x, y) in enumerate(micro_batches):
             with model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                 losses.append(forward_backward(x, y, len(y) / n))
-        # Unscaled once a step, after its last backward() and before anything reads the
-        # gradients (never per micro-batch).
+        # Unscaled once a step, after its last backward(), before anything reads the gradients.
         scaler.unscale_(optimizer)
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
         if clip_grad is not None:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
-        # A step whose gradients hold inf/NaN is skipped; update() then halves the
-        # scale (and doubles it after 2000 good steps).
+        # A step whose gradients hold inf/NaN is skipped; update() then halves the scale.
         scaler.step(optimizer)
         scaler.update()
         return losses, norm
@@ -89,15 +79,12 @@ def main(argv=None):
     # LOCAL_RANK (the article set rank and address by hand, and used gloo on GPUs too).
     rank, world_size, local_rank = torchrun_ranks()
     device = choose_device(args.device, local_rank)
-    # The dtype autocast computes in, decided once: float16 on an accelerator, bfloat16 on
-    # the CPU (--amp_dtype: either, where the device has it natively).
     amp_dtype = resolve_amp_dtype(args.amp_dtype, device)
     # One line for a group on MPS (c10d moves no MPS tensors), or a scaler without kernels.
     refuse_unsupported(device, process_group=True, loss_scaling=True)
     if device.type != "cpu":
         # Before any work on it, or every rank would use device 0.
         torch.accelerator.set_device_index(device.index)
-    # The backend of the device's type (NCCL on CUDA, XCCL on XPU, gloo on the CPU).
     dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
                             world_size=world_size, store=group_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
@@ -114,8 +101,8 @@ def main(argv=None):
                                      channels_last=args.channels_last,
                                      train_subset=args.train_subset,
                                      skip_bad=args.skip_bad_images)
-            # Each process its own share of the data, in a new order every epoch (the
-            # article's never changed its order).
+            # Each process its own share of the data, in an order new every epoch and the
+            # same on every rank (set_epoch); the article's never changed.
             sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
             loader = data.train_loader(sampler)
             network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
@@ -131,12 +118,10 @@ def main(argv=None):
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
 
-            # The unwrapped model, without DDP's "module." prefix; rank 0 alone writes it
-            # (the article saved on every rank, prefix and all).
+            # The bare model (no "module."); rank 0 alone writes it (the article: every rank).
             state = {"model": technique.model.module, "optimizer": technique.optimizer,
                      "scheduler": scheduler, "scaler": technique.scaler, "comm_hook": comm_hook}
-            # DDP's buckets in their final order from the first real step on, as in a run
-            # that never stopped.
+            # DDP's buckets in their final order from the first step, as in a run never stopped.
             settle_buckets(technique.model, data.image_shape, run.info, comm_hook)
 
             with (run.logger(resumed, args.epochs) as log,
@@ -156,7 +141,6 @@ def main(argv=None):
                                       fp32_math=fp32_math))
 
                 for epoch in range(resumed.epoch, args.epochs):
-                    # The sampler's order for this epoch, the same on every rank.
                     sampler.set_epoch(epoch)
                     technique.model.train()
                     stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
@@ -169,8 +153,7 @@ def main(argv=None):
                         break
                     counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                            desc="val")
-                    # Correct and seen summed over the ranks' disjoint shards: exact (the article
-                    # divided each rank's own count by the whole test set).
+                    # Every rank's counts summed (the article divided one rank's by the whole set).
                     dist.all_reduce(counts)
                     correct, seen = counts.tolist()
                     scheduler.step(correct / seen)

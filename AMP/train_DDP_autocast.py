@@ -14,7 +14,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from ampkit.checkpoint import Saver, restore, resume
@@ -31,20 +30,16 @@ from ampkit.run import RunFolder, header_line, report_user_errors
 
 
 def build(network, criterion, *, device, lr, amp_dtype, clip_grad, comm_hook):
-    # A whole replica per process, already on its device (the article wrapped the model,
-    # then moved it); backward() averages the gradients over the processes.
-    model = DistributedDataParallel(network)
-    # What the all-reduce sends, bucket by bucket (--comm_hook): the fp32 gradients by
-    # DDP's own all-reduce (in C++: a Python hook would add ~20 ops a step), or a hook's
-    # fp16/bf16 cast (half the bytes) or PowerSGD's low-rank factors.
+    # A whole replica, already on its device (the article wrapped the model, then moved it).
+    model = torch.nn.parallel.DistributedDataParallel(network)
+    # What the all-reduce sends (--comm_hook): the fp32 gradients, by DDP's own in C++ (a Python
+    # hook adds ~20 ops a step), a hook's fp16/bf16 cast (half the bytes) or PowerSGD's factors.
     if comm_hook is not None:
         model.register_comm_hook(comm_hook.state, comm_hook.hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     autocast = torch.autocast(device.type, dtype=amp_dtype)
 
     def forward_backward(images, targets, weight):
-        # The forward pass and the loss under autocast; backward() needs none, as it
-        # follows the forward's dtypes.
         with autocast:
             loss = criterion(model(images), targets)
         loss.backward(torch.full_like(loss, weight))
@@ -54,8 +49,7 @@ def build(network, criterion, *, device, lr, amp_dtype, clip_grad, comm_hook):
         n = sum(len(y) for _, y in micro_batches)
         optimizer.zero_grad(set_to_none=True)
         losses = []
-        # All micro-batches but the last inside no_sync, forward too: one all-reduce a
-        # step, of the summed gradients.
+        # All micro-batches but the last inside no_sync, forward too: one all-reduce a step.
         for i, (x, y) in enumerate(micro_batches):
             with model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                 losses.append(forward_backward(x, y, len(y) / n))
@@ -76,15 +70,12 @@ def main(argv=None):
     # LOCAL_RANK (the article set rank and address by hand, and used gloo on GPUs too).
     rank, world_size, local_rank = torchrun_ranks()
     device = choose_device(args.device, local_rank)
-    # The dtype autocast computes in, decided once: float16 on an accelerator, bfloat16 on
-    # the CPU (--amp_dtype: either, where the device has it natively).
     amp_dtype = resolve_amp_dtype(args.amp_dtype, device)
     # One line for a group on MPS (c10d moves no MPS tensors).
     refuse_unsupported(device, process_group=True)
     if device.type != "cpu":
         # Before any work on it, or every rank would use device 0.
         torch.accelerator.set_device_index(device.index)
-    # The backend of the device's type (NCCL on CUDA, XCCL on XPU, gloo on the CPU).
     dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
                             world_size=world_size, store=group_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
@@ -101,8 +92,8 @@ def main(argv=None):
                                      channels_last=args.channels_last,
                                      train_subset=args.train_subset,
                                      skip_bad=args.skip_bad_images)
-            # Each process its own share of the data, in a new order every epoch (the
-            # article's never changed its order).
+            # Each process its own share of the data, in an order new every epoch and the
+            # same on every rank (set_epoch); the article's never changed.
             sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
             loader = data.train_loader(sampler)
             network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
@@ -118,12 +109,10 @@ def main(argv=None):
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
 
-            # The unwrapped model, without DDP's "module." prefix; rank 0 alone writes it
-            # (the article saved on every rank, prefix and all).
+            # The bare model (no "module."); rank 0 alone writes it (the article: every rank).
             state = {"model": technique.model.module, "optimizer": technique.optimizer,
                      "scheduler": scheduler, "comm_hook": comm_hook}
-            # DDP's buckets in their final order from the first real step on, as in a run
-            # that never stopped.
+            # DDP's buckets in their final order from the first step, as in a run never stopped.
             settle_buckets(technique.model, data.image_shape, run.info, comm_hook)
 
             with (run.logger(resumed, args.epochs) as log,
@@ -143,7 +132,6 @@ def main(argv=None):
                                       fp32_math=fp32_math))
 
                 for epoch in range(resumed.epoch, args.epochs):
-                    # The sampler's order for this epoch, the same on every rank.
                     sampler.set_epoch(epoch)
                     technique.model.train()
                     stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
@@ -156,8 +144,7 @@ def main(argv=None):
                         break
                     counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                            desc="val")
-                    # Correct and seen summed over the ranks' disjoint shards: exact (the article
-                    # divided each rank's own count by the whole test set).
+                    # Every rank's counts summed (the article divided one rank's by the whole set).
                     dist.all_reduce(counts)
                     correct, seen = counts.tolist()
                     scheduler.step(correct / seen)

@@ -31,18 +31,15 @@ def build(network, criterion, *, device, lr, amp_dtype, clip_grad, dp_scope):
     # autocast is thread-local, and DataParallel runs each replica in a thread of its
     # own: what it replicates re-enters autocast with the run's dtype there.
     if device.type == "cuda" and dp_scope == "features":
-        model.features = torch.nn.DataParallel(autocast_replicas(model.features,
-                                                                 amp_dtype))
+        model.features = torch.nn.DataParallel(autocast_replicas(model.features, amp_dtype))
     elif device.type == "cuda":
         model = torch.nn.DataParallel(autocast_replicas(model, amp_dtype))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-    autocast = torch.autocast(device.type, dtype=amp_dtype)
     # One scaler for the whole run: its scale carries over from step to step.
     scaler = torch.amp.GradScaler(device.type)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    autocast = torch.autocast(device.type, dtype=amp_dtype)
 
     def forward_backward(images, targets, weight):
-        # The forward pass and the loss under autocast; backward() needs none, as it
-        # follows the forward's dtypes.
         with autocast:
             loss = criterion(model(images), targets)
         # The gradients of loss x scale: fp16 gradients too small for fp16 survive.
@@ -55,15 +52,13 @@ def build(network, criterion, *, device, lr, amp_dtype, clip_grad, dp_scope):
         losses = []
         for x, y in micro_batches:
             losses.append(forward_backward(x, y, len(y) / n))
-        # Unscaled once a step, after its last backward() and before anything reads the
-        # gradients (never per micro-batch).
+        # Unscaled once a step, after its last backward(), before anything reads the gradients.
         scaler.unscale_(optimizer)
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
         if clip_grad is not None:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
-        # A step whose gradients hold inf/NaN is skipped; update() then halves the
-        # scale (and doubles it after 2000 good steps).
+        # A step whose gradients hold inf/NaN is skipped; update() then halves the scale.
         scaler.step(optimizer)
         scaler.update()
         return losses, norm
@@ -75,8 +70,6 @@ def build(network, criterion, *, device, lr, amp_dtype, clip_grad, dp_scope):
 def main(argv=None):
     args = parse_train_args("train_DP_GradScaler", argv, __doc__)
     device = choose_device(args.device)
-    # The dtype autocast computes in, decided once: float16 on an accelerator, bfloat16 on
-    # the CPU (--amp_dtype: either, where the device has it natively).
     amp_dtype = resolve_amp_dtype(args.amp_dtype, device)
     # One line for DataParallel off CUDA, or a scaler without the device's kernels.
     refuse_unsupported(device, data_parallel=True, loss_scaling=True)

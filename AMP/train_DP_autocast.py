@@ -31,16 +31,13 @@ def build(network, criterion, *, device, lr, amp_dtype, clip_grad, dp_scope):
     # autocast is thread-local, and DataParallel runs each replica in a thread of its
     # own: what it replicates re-enters autocast with the run's dtype there.
     if device.type == "cuda" and dp_scope == "features":
-        model.features = torch.nn.DataParallel(autocast_replicas(model.features,
-                                                                 amp_dtype))
+        model.features = torch.nn.DataParallel(autocast_replicas(model.features, amp_dtype))
     elif device.type == "cuda":
         model = torch.nn.DataParallel(autocast_replicas(model, amp_dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     autocast = torch.autocast(device.type, dtype=amp_dtype)
 
     def forward_backward(images, targets, weight):
-        # The forward pass and the loss under autocast; backward() needs none, as it
-        # follows the forward's dtypes.
         with autocast:
             loss = criterion(model(images), targets)
         loss.backward(torch.full_like(loss, weight))
@@ -66,8 +63,6 @@ def build(network, criterion, *, device, lr, amp_dtype, clip_grad, dp_scope):
 def main(argv=None):
     args = parse_train_args("train_DP_autocast", argv, __doc__)
     device = choose_device(args.device)
-    # The dtype autocast computes in, decided once: float16 on an accelerator, bfloat16 on
-    # the CPU (--amp_dtype: either, where the device has it natively).
     amp_dtype = resolve_amp_dtype(args.amp_dtype, device)
     # One line for DataParallel off CUDA (it replicates over CUDA GPUs alone).
     refuse_unsupported(device, data_parallel=True)

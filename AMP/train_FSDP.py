@@ -37,8 +37,7 @@ def build(network, criterion, *, lr, clip_grad):
     for block in shard_units(model):
         fully_shard(block)
     model = fully_shard(model)
-    # After fully_shard, which replaced the parameters: AdamW over this process's shards
-    # (made before it, the optimizer would hold the replaced ones).
+    # After fully_shard, which replaced the parameters: AdamW over this process's shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
     def forward_backward(images, targets, weight):
@@ -80,7 +79,6 @@ def main(argv=None):
     if device.type != "cpu":
         # Before any work on it, or every rank would use device 0.
         torch.accelerator.set_device_index(device.index)
-    # The backend of the device's type (NCCL on CUDA, XCCL on XPU, gloo on the CPU).
     dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
                             world_size=world_size, store=group_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
@@ -97,8 +95,8 @@ def main(argv=None):
                                      channels_last=args.channels_last,
                                      train_subset=args.train_subset,
                                      skip_bad=args.skip_bad_images)
-            # Each process its own share of the data, in a new order every epoch (the
-            # article's never changed its order).
+            # Each process its own share of the data, in an order new every epoch and the
+            # same on every rank (set_epoch); the article's never changed.
             sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
             loader = data.train_loader(sampler)
             network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
@@ -110,8 +108,7 @@ def main(argv=None):
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
 
-            # Each save gathers the shards' full state on rank 0's CPU, which alone writes
-            # (get_model_state_dict); a resume shards it again.
+            # A save gathers the shards' full state for rank 0 to write; a resume shards it again.
             state = {"model": technique.model, "optimizer": technique.optimizer,
                      "scheduler": scheduler}
 
@@ -131,7 +128,6 @@ def main(argv=None):
                                       fp32_math=fp32_math))
 
                 for epoch in range(resumed.epoch, args.epochs):
-                    # The sampler's order for this epoch, the same on every rank.
                     sampler.set_epoch(epoch)
                     technique.model.train()
                     stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
@@ -144,8 +140,7 @@ def main(argv=None):
                         break
                     counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                            desc="val")
-                    # Correct and seen summed over the ranks' disjoint shards: exact (the article
-                    # divided each rank's own count by the whole test set).
+                    # Every rank's counts summed (the article divided one rank's by the whole set).
                     dist.all_reduce(counts)
                     correct, seen = counts.tolist()
                     scheduler.step(correct / seen)

@@ -5,11 +5,10 @@
 
 MixedPrecisionPolicy casts per block, not per operator as autocast does: FSDP2 casts a
 block's parameters to --amp_dtype as it gathers them (half the bytes moved) and the block
-computes in it; gradients are reduced in float32 (--reduce_dtype bfloat16: half the bytes),
-and the shards, AdamW and the loss stay float32 (as torchtitan trains).
-Pitfall: float16 still needs loss scaling, in the blocks or on the wire: the GradScaler is on
-for --amp_dtype float16 and for --reduce_dtype float16, off for bfloat16 alone. Buffers are
-not cast: networks with BatchNorm (float32 statistics) take train_FSDP_autocast.py.
+computes in it; gradients are reduced, and with --accum_steps added up, in float32 (or
+--reduce_dtype: bfloat16 halves the bytes); shards, AdamW and loss stay float32 (as in torchtitan).
+Pitfall: float16, in the blocks or on the wire, needs the GradScaler (off for bfloat16 alone).
+Buffers are not cast: networks with BatchNorm take train_FSDP_autocast.py.
 """
 import sys
 
@@ -33,9 +32,6 @@ def build(network, criterion, *, device, lr, amp_dtype, reduce_dtype, loss_scali
     check_param_dtype_fits(network)
     # fully_shard takes contiguous parameters (--channels_last: the inputs are).
     model = network.to(memory_format=torch.contiguous_format)
-    # Each block is gathered, cast to param_dtype, to run; its gradients are
-    # reduce-scattered in reduce_dtype (float32 by default; bfloat16 halves the bytes,
-    # and with --accum_steps the micro-batches' gradients also add up in it).
     # Each process holds a shard of every parameter; each block (a layer, a residual
     # block) is gathered just before it runs and freed after, then the root.
     for block in shard_units(model):
@@ -44,10 +40,9 @@ def build(network, criterion, *, device, lr, amp_dtype, reduce_dtype, loss_scali
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=reduce_dtype,
                                   output_dtype=torch.float32)
     model = fully_shard(model, mp_policy=policy)
-    # After fully_shard, which replaced the parameters: AdamW over this process's shards
-    # (made before it, the optimizer would hold the replaced ones).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     scaler = torch.amp.GradScaler(device.type, enabled=loss_scaling)
+    # After fully_shard, which replaced the parameters: AdamW over this process's shards.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
     def forward_backward(images, targets, weight):
         loss = criterion(model(images), targets)
@@ -66,16 +61,14 @@ def build(network, criterion, *, device, lr, amp_dtype, reduce_dtype, loss_scali
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
             losses.append(forward_backward(x, y, len(y) / n))
-        # Unscaled once a step, after its last backward() and before anything reads the
-        # gradients (never per micro-batch).
+        # Unscaled once a step, after its last backward(), before anything reads the gradients.
         scaler.unscale_(optimizer)
         # The norm of the shards' gradients is a DTensor: made whole on every rank.
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None]).full_tensor()
         if clip_grad is not None:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
-        # A step whose gradients hold inf/NaN is skipped; update() then halves the
-        # scale (and doubles it after 2000 good steps).
+        # A step whose gradients hold inf/NaN is skipped; update() then halves the scale.
         scaler.step(optimizer)
         scaler.update()
         return losses, norm
@@ -91,19 +84,14 @@ def main(argv=None):
     # LOCAL_RANK (the article set rank and address by hand, and used gloo on GPUs too).
     rank, world_size, local_rank = torchrun_ranks()
     device = choose_device(args.device, local_rank)
-    # The dtype the blocks compute in, decided once: float16 on an accelerator, bfloat16 on
-    # the CPU (--amp_dtype: either, where the device has it natively).
     amp_dtype = resolve_amp_dtype(args.amp_dtype, device)
     reduce_dtype = getattr(torch, args.reduce_dtype)
-    # float16 in the blocks or on the wire (--reduce_dtype float16: the gradients are
-    # reduced, and added up, in it) needs loss scaling; bfloat16, with fp32's range, not.
     loss_scaling = torch.float16 in (amp_dtype, reduce_dtype)
     # One line for a group on MPS (c10d moves no MPS tensors), or a scaler without kernels.
     refuse_unsupported(device, process_group=True, loss_scaling=loss_scaling)
     if device.type != "cpu":
         # Before any work on it, or every rank would use device 0.
         torch.accelerator.set_device_index(device.index)
-    # The backend of the device's type (NCCL on CUDA, XCCL on XPU, gloo on the CPU).
     dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
                             world_size=world_size, store=group_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
@@ -120,8 +108,8 @@ def main(argv=None):
                                      channels_last=args.channels_last,
                                      train_subset=args.train_subset,
                                      skip_bad=args.skip_bad_images)
-            # Each process its own share of the data, in a new order every epoch (the
-            # article's never changed its order).
+            # Each process its own share of the data, in an order new every epoch and the
+            # same on every rank (set_epoch); the article's never changed.
             sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
             loader = data.train_loader(sampler)
             network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
@@ -134,8 +122,7 @@ def main(argv=None):
             scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                    patience=3)
 
-            # Each save gathers the shards' full state on rank 0's CPU, which alone writes
-            # (get_model_state_dict); a resume shards it again.
+            # A save gathers the shards' full state for rank 0 to write; a resume shards it again.
             state = {"model": technique.model, "optimizer": technique.optimizer,
                      "scheduler": scheduler, "scaler": technique.scaler}
 
@@ -155,7 +142,6 @@ def main(argv=None):
                                       fp32_math=fp32_math))
 
                 for epoch in range(resumed.epoch, args.epochs):
-                    # The sampler's order for this epoch, the same on every rank.
                     sampler.set_epoch(epoch)
                     technique.model.train()
                     stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
@@ -168,8 +154,7 @@ def main(argv=None):
                         break
                     counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                            desc="val")
-                    # Correct and seen summed over the ranks' disjoint shards: exact (the article
-                    # divided each rank's own count by the whole test set).
+                    # Every rank's counts summed (the article divided one rank's by the whole set).
                     dist.all_reduce(counts)
                     correct, seen = counts.tolist()
                     scheduler.step(correct / seen)

@@ -27,14 +27,12 @@ from ampkit.run import RunFolder, header_line, report_user_errors
 
 def build(network, criterion, *, device, lr, amp_dtype, clip_grad):
     model = network
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-    autocast = torch.autocast(device.type, dtype=amp_dtype)
     # One scaler for the whole run: its scale carries over from step to step.
     scaler = torch.amp.GradScaler(device.type)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    autocast = torch.autocast(device.type, dtype=amp_dtype)
 
     def forward_backward(images, targets, weight):
-        # The forward pass and the loss under autocast; backward() needs none, as it
-        # follows the forward's dtypes.
         with autocast:
             loss = criterion(model(images), targets)
         # The gradients of loss x scale: fp16 gradients too small for fp16 survive.
@@ -47,15 +45,13 @@ def build(network, criterion, *, device, lr, amp_dtype, clip_grad):
         losses = []
         for x, y in micro_batches:
             losses.append(forward_backward(x, y, len(y) / n))
-        # Unscaled once a step, after its last backward() and before anything reads the
-        # gradients (never per micro-batch).
+        # Unscaled once a step, after its last backward(), before anything reads the gradients.
         scaler.unscale_(optimizer)
         norm = torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None])
         if clip_grad is not None:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, norm)
-        # A step whose gradients hold inf/NaN is skipped; update() then halves the
-        # scale (and doubles it after 2000 good steps).
+        # A step whose gradients hold inf/NaN is skipped; update() then halves the scale.
         scaler.step(optimizer)
         scaler.update()
         return losses, norm
@@ -67,8 +63,6 @@ def build(network, criterion, *, device, lr, amp_dtype, clip_grad):
 def main(argv=None):
     args = parse_train_args("train_GradScaler", argv, __doc__)
     device = choose_device(args.device)
-    # The dtype autocast computes in, decided once: float16 on an accelerator, bfloat16 on
-    # the CPU (--amp_dtype: either, where the device has it natively).
     amp_dtype = resolve_amp_dtype(args.amp_dtype, device)
     # A GradScaler runs on this device's own kernels for it: one line where it has none.
     refuse_unsupported(device, loss_scaling=True)
