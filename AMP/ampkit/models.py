@@ -28,7 +28,7 @@ from .randomness import seed_streams
 
 
 DEFAULT_ARCH = "alexnet"
-# AlexNet's features shrink a smaller input below the 3x3 window of their last max-pool.
+# AlexNet's features shrink a smaller input below the 3x3 kernel of their last max-pool.
 MIN_ALEXNET_SIZE = 63
 
 

@@ -184,12 +184,9 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     hook = None if comm_hook == "none" else CommHook(comm_hook, powersgd_rank=powersgd_rank,
                                                      start_iter=2)
     t, pool, flops = _built(variant, res, device, num_classes, lr, amp_dtype, hook)
-    # As in training: the skipped steps are counted, and the ranks vote on a stop every
-    # step, so that a timed step costs what a training step does.
-    meters = StepMeters(t.scaler)
-    vote = StopVote(StopFlag(), Ballots(info))
+    # Skipped steps counted and a stop voted on every step: a timed step costs a training one.
+    meters, vote = StepMeters(t.scaler), StopVote(StopFlag(), Ballots(info))
 
-    # n steps, over the pool's batches in turn.
     def run(n: int, meters: StepMeters = meters, **kw):
         micro = [pool[i % len(pool)] for i in range(n * accum_steps)]
         with _all_reduce_every_micro_batch() if keep_sync else contextlib.nullcontext():
@@ -204,17 +201,15 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     # log_every past the last step: the loop's host read would sync while timed.
     seconds, stats = _timed(lambda: run(steps, desc=variant, log_every=steps + 1), device)
     res.peak_mem_mb = peak_memory_mb(device, all_gpus=res.parallel == "dp")
-    res.seconds, res.step_ms = seconds, 1000.0 * seconds / steps
-    res.images_per_s = stats.images / seconds
+    res.seconds, res.images_per_s = seconds, stats.images / seconds
+    res.step_ms = 1000.0 * seconds / steps
     res.gflop_per_step = flops * accum_steps * info.world_size / 1e9
     res.achieved_tflops = res.gflop_per_step * steps / seconds / 1e3
-    # The hook counted each bucket as it went, since reset_counts(): the timed steps alone.
     if res.parallel == "ddp":
         res.comm_hook, wire = comm_hook, wire_per_step(t.model, hook)
         res.wire_mb_per_step = wire.get("wire_mb_per_step")
     if busy and device.type == "cuda":
         res.gpu_busy = gpu_busy_share(lambda: run(10, desc="busy", log_every=11), device)
-    # train_one_epoch starts and stops the profiler around its own steps.
     if profile is not None:
         profiler = StepProfiler(profile, device)
         run(profiler.needed, StepMeters(t.scaler, profiler), desc=f"{variant} profile")
@@ -222,8 +217,6 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     peak = peak_tflops_fp32 if res.precision == "fp32" else peak_tflops
     if peak:
         res.utilisation = res.achieved_tflops / (peak * res.devices)
-    # The caller frees the model's memory (gc.collect, torch.cuda.empty_cache) before the
-    # next variant's.
     return res
 
 

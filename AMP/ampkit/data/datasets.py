@@ -1,14 +1,9 @@
-"""The data sets both input paths read: CIFAR-10 (torchvision's, checked), Fashion-MNIST
-(its idx files, checked), ImageFolder (``<root>/train/<class>/*``, ``<root>/val/<class>/*``)
-and FakeData, and what their images go through (resized, normalised with ImageNet's
-statistics, or a grey data set's own).
-
-CIFAR-10 is downloaded into ``--dataset_root`` by one process per node (no network: the error
-says where to put the archive), checked against its md5 and member by member before anything
-is extracted, its labels checked to be classes; a broken extracted file is named, and
-extracted again from the archive when it lies beside it. An unreadable image of an
-ImageFolder becomes an :class:`Unreadable` sample, which the loaders report or pass over.
-The order they are read in: :mod:`.order`."""
+"""The data sets both input paths read: CIFAR-10 and Fashion-MNIST (torchvision's, checked),
+ImageFolder (``<root>/train/<class>/*``, ``<root>/val/<class>/*``) and FakeData, and what
+their images go through (resized, normalised). CIFAR-10's archive is checked against its md5
+and member by member before anything is extracted; a broken extracted file is named, and
+extracted again from the archive beside it. An unreadable image of an ImageFolder becomes an
+:class:`Unreadable` sample, which the loaders report or pass over. Their order: :mod:`.order`."""
 from __future__ import annotations
 
 import gzip
@@ -38,12 +33,9 @@ ARCHIVE_MD5 = torchvision.datasets.CIFAR10.tgz_md5
 
 
 class CIFAR10(torchvision.datasets.CIFAR10):
-    """torchvision's CIFAR10, trusting extracted batch files that exist, and extracting the
-    archive only after :func:`extract_cifar_archive`'s checks.
-
-    torchvision re-hashes the 178 MB of extracted files (md5) at every start; the archive
-    is hashed once, before it is extracted.
-    """
+    """torchvision's CIFAR10, trusting extracted batch files that exist (torchvision re-hashes
+    their 178 MB at every start), extracting the archive after :func:`extract_cifar_archive`'s
+    checks (one md5 of the archive)."""
 
     def _files(self):
         names = [f for f, _ in self.train_list + self.test_list] + [self.meta["filename"]]
@@ -96,8 +88,7 @@ def extract_cifar_archive(archive: Path, root: Path) -> None:
                         "again, or put the one from https://www.cs.toronto.edu/~kriz/ there")
     with tarfile.open(archive, "r:gz") as tar:
         members = tar.getmembers()
-        # Every member is checked before anything is written: a bad one leaves no
-        # half-extracted folder behind.
+        # All checked before anything is written: no half-extracted folder is left.
         for member in members:
             why = _unsafe_member(member)
             if why is not None:
@@ -152,8 +143,7 @@ def _load_cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10
 def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
     """torchvision's CIFAR-10 under ``root``. Broken extracted files are named, and extracted
     again from the archive when it lies beside them (by the process allowed to download)."""
-    # A bad archive's UserError is one line already; anything else (URLError, socket errors,
-    # broken files) becomes one below.
+    # A bad archive's error is one line already; any other (URLError, a broken file) below.
     try:
         return _load_cifar10(root, train, transform, download)
     except UserError:
@@ -169,8 +159,7 @@ def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
             f"{root}, or use --dataset ImageFolder or --dataset FakeData")
     path, why = broken
     if download and archive.is_file():
-        # A bad archive, which extracts nothing, is what to fix first: its error goes out as
-        # it is.
+        # A bad archive extracts nothing: its error, as it is, is what to fix first.
         try:
             extract_cifar_archive(archive, Path(root))
             data = _load_cifar10(root, train, transform, download=False)
@@ -185,8 +174,7 @@ def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
                     "again")
 
 
-# Fashion-MNIST's idx files, with more checks than torchvision's reader asserts, from a
-# folder holding them (Debian's dataset-fashion-mnist, gzipped) or torchvision's layout.
+# Fashion-MNIST's idx files (Debian's, gzipped, or torchvision's layout), checked closely.
 FASHION_CLASSES = 10
 # An idx file's magic number: 0x08 (unsigned bytes), then its number of dimensions.
 IMAGES_MAGIC, LABELS_MAGIC = 0x0803, 0x0801
@@ -254,8 +242,7 @@ def load_fashion_mnist(root: Path, train: bool,
         try:
             torchvision.datasets.FashionMNIST(str(root), train=train, download=True)
         except Exception as e:
-            # URLError, socket errors, a failed md5: torchvision's error spans lines (the file,
-            # the mirrors tried, what each said), and the user gets one.
+            # torchvision's error spans lines (the file, each mirror tried): the user gets one.
             reason = " ".join(str(e).split())[:300] or type(e).__name__
             raise UserError(f"Fashion-MNIST is not in {root} and could not be downloaded "
                             f"({reason}). Without a network: {FASHION_OFFLINE}") from None
@@ -283,8 +270,7 @@ class FashionMNIST(torchvision.datasets.FashionMNIST):
         super().__init__(str(root), train=train, transform=transform)
 
     def _check_exists(self) -> bool:
-        # load_fashion_mnist found and checked the files, in a layout torchvision's own
-        # check may not know (Debian's, gzipped).
+        # load_fashion_mnist checked the files, in layouts torchvision's check does not know.
         return True
 
     def _load_data(self):
@@ -297,8 +283,7 @@ def check_root(root: Path) -> None:
 
 
 # ImageNet statistics: standard for AlexNet and what its pretrained weights expect.
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FAKE_TRAIN_SIZE, FAKE_VAL_SIZE = 1000, 200
 # The data sets of a known number of classes (ImageFolder: its number of class folders),
 # which the fast input path holds whole on the device.
@@ -342,8 +327,7 @@ class ImageFolder(torchvision.datasets.ImageFolder):
         path, target = self.samples[index]
         try:
             with open(path, "rb") as f:
-                # convert() decodes the whole image: a truncated file fails here, inside the
-                # try, not later in a transform.
+                # convert() decodes it all: a truncated file fails here, inside the try.
                 image = Image.open(f).convert("RGB")
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
             reason = ("not an image file PIL can read" if isinstance(e, UnidentifiedImageError)
@@ -359,8 +343,7 @@ def _image_folder(root: Path, split: str, transform) -> ImageFolder:
         raise UserError(f"--dataset ImageFolder expects {folder}/ with one folder per class "
                         f"(and {root / ('val' if split == 'train' else 'train')}/ beside it)")
     try:
-        # Every class folder opened first: os.walk, in ImageFolder, skips unreadable ones
-        # without a word.
+        # Opened first: os.walk, in ImageFolder, skips unreadable folders without a word.
         with os.scandir(folder) as entries:
             for entry in entries:
                 if entry.is_dir():
