@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -163,66 +162,60 @@ def test_ddp_at_4_processes_with_an_empty_shard_and_an_unreadable_image(mini_ima
 
 
 # ------------------------------------------------------------------ in-process, the rules
-def _agreed(args, run_dir: Path, others: list):
-    """What rank 0 of a group resumes, given what its other ranks see (``others``)."""
-    from ampkit.checkpoint.resume import agreed_path, what_this_rank_sees
+def _identity(path: Path):
+    from ampkit.checkpoint.files import identity
 
-    return agreed_path([what_this_rank_sees(args.resume, run_dir), *others], 0)
-
-
-def _args(ckpt: Path, resume="auto"):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(resume=resume, checkpoint=ckpt, variant="train_DDP")
+    with open(path, "rb") as f:
+        return identity(f)
 
 
-def test_rank_0_decides_what_is_resumed_and_every_rank_must_see_it(tmp_path):
+def test_every_rank_must_load_what_rank_0_loads(tmp_path):
+    """One gather of what each rank loaded: every rank must have read rank 0's bytes (a copy
+    on another node is the same file), or like rank 0 none; else every rank stops with one
+    line naming the first rank that differs, its host and path."""
+    from ampkit.checkpoint.resume import agree
     from ampkit.errors import UserError
-    from ampkit.checkpoint.resume import _identity
 
-    run_dir = tmp_path / "train_DDP"
-    run_dir.mkdir()
-    last = run_dir / "last.pth"
+    last = tmp_path / "last.pth"
     last.write_bytes(b"a checkpoint")
-    mine = _identity(last)[0]
-    same = ("node1", str(last), True, None, mine)
-    assert _agreed(_args(tmp_path), run_dir, [same]) == last
-    # A copy on another node (a new modification time) is the same file; another save of the
-    # same size is not.
+    mine = ("node0", str(last), True, None, _identity(last))
     copy = tmp_path / "node1" / "last.pth"
     copy.parent.mkdir()
     copy.write_bytes(last.read_bytes())
     os.utime(copy, (1, 1))
-    assert _identity(copy) == (mine, None)
     other_save = tmp_path / "other.pth"
     other_save.write_bytes(b"a checkpoinT")
-    assert _identity(other_save)[0] != mine
+    assert _identity(other_save) != _identity(last)
+    agree([mine, ("node1", str(copy), True, None, _identity(copy))])
+    agree([("node0", str(last), False, None, None)] * 3)
     for other, words in [
             (("node1", "/elsewhere/last.pth", False, None, None), "finds none at /elsewhere"),
-            (("node1", "/elsewhere/last.pth", True, None, _identity(other_save)[0]),
-             "finds another file"),
+            (("node1", "/elsewhere/last.pth", True, None, _identity(other_save)),
+             "finds another file at /elsewhere"),
             (("node1", "/elsewhere/last.pth", False, "--resume: no checkpoint to resume at "
-              "/elsewhere/last.pth", None), "--resume: no checkpoint")]:
+              "/elsewhere/last.pth", None), "finds none at /elsewhere")]:
         with pytest.raises(UserError) as e:
-            _agreed(_args(tmp_path), run_dir, [same, other])
-        assert "rank 2 on node1" in str(e.value) and words in str(e.value), e.value
-        assert "must be shared by every node" in str(e.value)
+            agree([mine, mine, other])
+        assert str(e.value).startswith(f"rank 0 on node0 resumes {last}, but rank 2 on node1 "
+                                       f"{words}"), e.value
+        assert str(e.value).endswith("must be shared by every node (--checkpoint on a shared "
+                                     "file system), or the same file copied to each")
     # A rank that finds the file but cannot read it: one line, on every rank (not an
     # OSError's traceback on that rank while its peers wait).
     unreadable = ("node1", str(copy), True, f"cannot read {copy} (Permission denied)", None)
-    with pytest.raises(UserError, match=r"rank 2 on node1: cannot read .*Permission denied"):
-        _agreed(_args(tmp_path), run_dir, [same, unreadable])
-    # --resume, where rank 0's node has no last.pth and another node has one: the nodes see
-    # different folders, and that is the line (not rank 0's "no checkpoint to resume").
-    with pytest.raises(UserError) as e:
-        _agreed(_args(tmp_path), tmp_path / "nB", [same])
-    assert str(e.value) == (f"--resume: rank 0 on {socket.gethostname()} finds no checkpoint at "
-                            f"{tmp_path / 'nB' / 'last.pth'}, but rank 1 on node1 finds one at "
-                            f"{last}: the checkpoint folder must be shared by every node "
-                            "(--checkpoint on a shared file system), or the same file copied "
-                            "to each")
-    # Rank 0 starts afresh (a restart where its folder has no last.pth): so does every rank.
-    assert _agreed(_args(tmp_path, resume=None), tmp_path / "none", [same]) is None
+    with pytest.raises(UserError, match=r"^rank 1 on node1: cannot read .*Permission denied"):
+        agree([mine, unreadable])
+    # Rank 0's node has no last.pth and another node has one: the nodes see different
+    # folders, and that is the line (not rank 0's "no checkpoint to resume").
+    for error in ("--resume: no checkpoint to resume at /nB/last.pth", None):
+        with pytest.raises(UserError, match=r"^rank 0 on node0 finds no checkpoint at "
+                                            r"/nB/last.pth, but rank 1 on node1 finds one at "):
+            agree([("node0", "/nB/last.pth", False, error, None),
+                   ("node1", str(last), True, None, _identity(last))])
+    # Alone, or where every rank agrees, rank 0's own error is the line.
+    with pytest.raises(UserError, match="^--resume: no checkpoint to resume at /nB"):
+        agree([("node0", "/nB/last.pth", False, "--resume: no checkpoint to resume at /nB",
+                None)] * 2)
 
 
 def test_the_identity_is_the_zip_directory_however_many_records(tmp_path):
@@ -230,8 +223,6 @@ def test_the_identity_is_the_zip_directory_however_many_records(tmp_path):
     entries (data.pkl's among them): the identity hashes the zip's whole central directory,
     found from its end record -- every record's CRC-32, and nothing else of the file."""
     import struct
-
-    from ampkit.checkpoint.files import identity
 
     path = tmp_path / "a.pth"
     torch.save({f"w{i}": torch.zeros(1) for i in range(1500)}, path)
@@ -245,11 +236,9 @@ def test_the_identity_is_the_zip_directory_however_many_records(tmp_path):
         changed[at] ^= 0xFF
         other = tmp_path / f"changed_{at}.pth"
         other.write_bytes(bytes(changed))
-        with open(other, "rb") as f:
-            return identity(f)
+        return _identity(other)
 
-    with open(path, "rb") as f:
-        mine = identity(f)
+    mine = _identity(path)
     assert with_byte_changed(directory_at + 16) != mine  # the first record's CRC-32
     assert with_byte_changed(directory_at // 2) == mine  # a record's bytes: its CRC stands
 
