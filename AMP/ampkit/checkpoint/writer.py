@@ -1,16 +1,12 @@
-"""Writing checkpoint files while training goes on: :class:`Snapshot` copies a state's
-tensors to CPU memory, :class:`BackgroundWriter` writes the copies in a thread, one save in
-flight at a time, each file by :func:`atomic_save`; best.pth is a second name (a hard link)
-for the best epoch's last.pth (:class:`Link`).
-"""
+"""Writing checkpoints while training goes on: :class:`Snapshot` copies a state's tensors to
+CPU memory, :class:`BackgroundWriter` writes the copies in a thread, each file atomically
+(:func:`atomic_save`) or as a second name for another (:class:`Link`)."""
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
-import re
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -23,26 +19,22 @@ from ..device import pinned
 from ..errors import UserError, first_line
 from .messages import DiskFull
 
+
 def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
     """Write ``obj`` to ``path`` through a temporary file, fsync'ed, then renamed over it: a
-    kill at any instant leaves the previous file or the new one.
-
-    ``spare=True`` (the background writer's saves): the temporary file is ``.<name>.spare``,
-    the version before the current one, rewritten in place, and the current one becomes the
-    spare. Rewriting a file's pages costs the kernel less than allocating new ones (684 MB:
-    docs/results.md), which matters for a save beside training every epoch."""
+    kill at any instant leaves the previous file or the new one. ``spare``: the temporary
+    file is ``.<name>.spare``, the version before the current one, rewritten in place (which
+    costs the kernel less than new pages: docs/results.md), and the current one becomes it."""
     path = Path(path)
     spare_path = _spare(path)
     # A spare that is best.pth's file too (a hard link) must not be rewritten.
     if spare and spare_path.is_file() and spare_path.stat().st_nlink > 1:
         spare_path.unlink()
-    if spare and spare_path.is_file():
-        tmp, f = spare_path, open(spare_path, "r+b")
-    else:
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        # mkstemp makes it 0600; a team's shared folder may grant its group what the umask does.
-        os.fchmod(fd, 0o666 & ~_umask())
-        tmp, f = Path(name), os.fdopen(fd, "wb")
+    # open() makes a file as torch.save to a path would (its mode from the umask: a team's
+    # folder may grant its group); one writer a process, so the process id names it alone.
+    tmp = spare_path if spare and spare_path.is_file() else \
+        path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    f = open(tmp, "r+b" if tmp == spare_path else "wb")
     try:
         with f:
             torch.save(obj, f)
@@ -71,22 +63,12 @@ def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
     _fsync_folder(path.parent)
 
 
-def _umask() -> int:
-    """The umask, read where Linux's /proc says it: setting it to read it would race threads."""
-    try:
-        return int(re.search(r"Umask:\s*(\d+)", Path("/proc/self/status").read_text())[1], 8)
-    except (OSError, TypeError):
-        mask = os.umask(0o022)
-        os.umask(mask)
-        return mask
-
-
 def _spare(path: Path) -> Path:
     return path.with_name(f".{path.name}.spare")
 
 
 def _fsync_folder(folder: Path) -> None:
-    """Persist a rename in ``folder`` (its directory entry)."""
+    # A rename is durable once its folder's entry is.
     with contextlib.suppress(OSError):
         dfd = os.open(folder, os.O_RDONLY)
         try:
@@ -124,8 +106,8 @@ def _linked(source: Path, name: Path) -> bool:
 
 @dataclass
 class Link:
-    """``target`` to be made a second name for ``source``'s file (:func:`link_or_write`), or
-    written with ``fallback`` where there are no hard links."""
+    """``target`` made a second name for ``source``'s file, or where the file system has no
+    hard links, ``fallback`` written to it."""
     source: Path
     target: Path
     fallback: Any
@@ -140,8 +122,7 @@ def link_or_write(link: Link) -> None:
 
 
 def remove_spares(folder: Path, temps: bool = False) -> None:
-    """Delete the spares ``atomic_save(spare=True)`` keeps between saves; with ``temps``, a
-    killed save's temporary files too (they never replaced a checkpoint)."""
+    """Delete the spares kept between saves; with ``temps``, a killed save's files too."""
     for left in [*Path(folder).glob(".*.pth.spare"),
                  *(Path(folder).glob(".*.pth.*.tmp") if temps else [])]:
         with contextlib.suppress(OSError):
@@ -149,9 +130,9 @@ def remove_spares(folder: Path, temps: bool = False) -> None:
 
 
 class Snapshot:
-    """CPU copies of a state's tensors, in buffers kept from one save to the next (pinned
-    for a GPU's state: a fast, asynchronous copy), which the writer writes while training
-    changes the live tensors. Take one only while no write of the last is in flight."""
+    """CPU copies of a state's tensors, which the writer writes while training changes the
+    live ones, in buffers kept from one save to the next (pinned for a GPU's: asynchronous).
+    Take one only while no write of the last is in flight."""
 
     def __init__(self) -> None:
         self._buffers: Dict[tuple, torch.Tensor] = {}
@@ -180,18 +161,17 @@ class Snapshot:
 
 
 class BackgroundWriter:
-    """Writes a save's files in a thread while training goes on, one save in flight: a slow
-    disk slows training rather than piling copies up in memory. An error in the thread is
-    raised by the next ``submit`` or ``wait``. Not a daemon thread: a run that ends, by an
-    exception too, finishes its last save before the process exits."""
+    """Writes a save's files in a thread, one save in flight: a slow disk slows training
+    rather than piling copies up in memory. The thread's error is raised by the next
+    ``submit`` or ``wait``. Not a daemon: a run that ends, by an exception too, finishes its
+    last save before the process exits."""
 
     def __init__(self, landed: str = "") -> None:
         self._thread: Optional[threading.Thread] = None
         self._done = threading.Event()
         self._done.set()
         self._error: Optional[BaseException] = None
-        # The last write's seconds; what the last first file written in full holds (what a
-        # second Ctrl-C says last.pth holds).
+        # What the last first file written in full holds: a second Ctrl-C says it.
         self.write_seconds: Optional[float] = None
         self.landed = landed
 
