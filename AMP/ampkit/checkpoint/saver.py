@@ -28,12 +28,6 @@ from .messages import abandoned, saved
 from .writer import BackgroundWriter, Link, Snapshot, remove_spares
 
 
-def parse_interval(text: str) -> tuple:
-    """``--save_every``: ``"2"`` -> ``(2, None)`` epochs; ``"5m"`` -> ``(None, 300)`` seconds."""
-    unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1])
-    return (None, int(text[:-1]) * unit) if unit else (int(text), None)
-
-
 class Saver:
     """A run's saves, as the script makes them (a ``with``): :meth:`save` after each epoch,
     :meth:`save_stop` at a stop; after a second Ctrl-C, what was saved, in one line.
@@ -50,16 +44,19 @@ class Saver:
             raise UserError(why if info.world_size == 1 else f"rank {rank}: {why}")
         self.run_dir, self.info, self.resumed, self.state = Path(run_dir), info, resumed, state
         self.epochs, self.num_classes, self.args = epochs, num_classes, args
-        self.every_epochs, self.every_seconds = parse_interval(save_every)
+        # --save_every: "2" epochs, or "5m" (seconds, minutes, hours).
+        unit = {"s": 1, "m": 60, "h": 3600}.get(save_every[-1])
+        self.every_epochs, self.every_seconds = \
+            (None, int(save_every[:-1]) * unit) if unit else (int(save_every), None)
         self.writer = BackgroundWriter(saved(resumed.epoch, resumed.step)
                                        if resumed.path is not None else "")
-        # What the last last.pth submitted holds: a second Ctrl-C says it, and a stop at
+        # Where the last last.pth submitted stands: a second Ctrl-C says it, and a stop at
         # that very point writes nothing more.
-        self.writing, self.last_saved = "", None
+        self.last_saved: Optional[tuple] = None
         self.last_snapshot, self.best_snapshot = Snapshot(), Snapshot()
         # A best epoch between two saves of last.pth waits here, in memory, for the next.
         self.pending_best: Optional[Dict[str, Any]] = None
-        self.last_save = time.perf_counter()
+        self.saved_at = time.perf_counter()
         self.best_acc, self.best_epoch = resumed.best_acc, resumed.best_epoch
         self.val_acc: Optional[float] = None
         self.timing: dict = {}
@@ -79,7 +76,7 @@ class Saver:
         if val_acc > self.best_acc:
             self.best_acc, self.best_epoch = val_acc, epochs_done
         time_up = bool(self.every_seconds) and (
-            time.perf_counter() - self.last_save >= self.every_seconds)
+            time.perf_counter() - self.saved_at >= self.every_seconds)
         # --save_every 30m: on any rank's clock, so that every rank saves alike.
         due = bool(epochs_done == self.epochs
                    or (self.every_epochs and epochs_done % self.every_epochs == 0)
@@ -116,7 +113,7 @@ class Saver:
         state = self._checkpoint(state_dicts(self.state), epoch, step, val_acc, so_far,
                                  resume=due)
         if due:
-            self.last_save, self.last_saved = time.perf_counter(), (epoch, step)
+            self.saved_at, self.last_saved = time.perf_counter(), (epoch, step)
         if not self.info.is_main:
             return {}
         if is_best and not due:
@@ -133,8 +130,7 @@ class Saver:
                 files[0][0]["best_model"] = self.pending_best["model"]
                 files.append((self.pending_best, best))
             self.pending_best = None
-            self.writing = saved(epoch, step)
-            self.writer.submit(files, self.writing)
+            self.writer.submit(files, saved(epoch, step))
             if wait:
                 self.writer.wait()
         timing["save_snapshot_s"] = time.perf_counter() - t0
@@ -167,4 +163,4 @@ class Saver:
         if busy:
             remove_spares(self.run_dir, temps=True)
         return abandoned(self.run_dir / LAST, self.writer.landed,
-                         self.writing if busy else None), busy
+                         saved(*self.last_saved) if busy else None), busy
