@@ -72,23 +72,24 @@ def test_the_rules_take_what_the_device_takes():
 
 
 # ------------------------------------------------------------------ MPS: a whole run
-@pytest.mark.parametrize("script, dataset", [("train_autocast", "FakeData"),
+@pytest.mark.parametrize("script, dataset", [("train_autocast", "CIFAR10"),
                                              ("train_without", "ImageFolder"),
-                                             pytest.param("train_DDP_GradScaler", "FakeData",
+                                             pytest.param("train_DDP_GradScaler", "CIFAR10",
                                                           marks=pytest.mark.slow)])
-def test_a_run_takes_nothing_mps_refuses(script, dataset, imagefolder_root, tmp_path):
+def test_a_run_takes_nothing_mps_refuses(script, dataset, imagefolder_root, cifar_root,
+                                         tmp_path):
     """A whole run -- set-up, its epoch, its figures, validation, the checkpoint and the
     evaluation of it -- creates no float64 tensor and makes no non-blocking copy from
     pageable memory, on the fast input path and the classic one. (MPS itself refuses a
     GradScaler and a process group; the float64 rule is some Intel GPUs' too.)"""
     importlib.import_module(script)
-    batch = 100 if dataset == "FakeData" else 16
-    # The smallest run that takes every path: one training batch of FakeData, at 32 px.
-    subset = 100 if dataset == "FakeData" else None
+    # The smallest runs that take every path at 32 px: CIFAR-10's small files on the fast
+    # path (one training batch, 11 test images), the ImageFolder on the classic one.
+    root, subset = (cifar_root, 10) if dataset == "CIFAR10" else (imagefolder_root, None)
     with device_rules("mps") as rules:
-        res = run_main(script, *quick_flags(imagefolder_root, tmp_path, dataset=dataset,
-                                            img_size=32, batch_size=batch, epochs=1,
-                                            log_every=2, train_subset=subset))
+        res = run_main(script, *quick_flags(root, tmp_path, dataset=dataset, img_size=32,
+                                            batch_size=16, epochs=1, log_every=2,
+                                            train_subset=subset))
         evaluated = run_main("eval_without", "--checkpoint",
                              tmp_path / script / "last.pth", "--device", "cpu")
     assert res.returncode == 0 and evaluated.returncode == 0, res.describe()
