@@ -174,9 +174,10 @@ def test_dataparallel_on_the_cpu_leaves_the_model_there_whatever_the_machine_has
     import train_DP  # noqa: F401  (imported first: torch._dynamo's import asks the real CUDA)
 
     pretend_machine(monkeypatch, kind, count)
+    # --dp_scope features: a network with .features (SqueezeNet's, smaller than AlexNet's).
+    arch = "squeezenet1_1" if scope == "features" else FAST_ARCH
     res = run_main("train_DP", *quick_flags(imagefolder_root, tmp_path, batch_size=48, epochs=1,
-                                            arch="alexnet" if scope == "features" else FAST_ARCH,
-                                            dp_scope=scope))
+                                            arch=arch, dp_scope=scope))
     assert res.returncode == 0, res.describe()
     assert "on cpu (DataParallel is CUDA's: on the cpu the model runs as it is)" in res.stdout
     assert "done: train_DP" in res.stdout
