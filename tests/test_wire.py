@@ -39,8 +39,9 @@ def _rows(run_dir):
 
 def test_powersgd_counts_its_bytes_and_a_resume_says_what_restarts(imagefolder_root, tmp_path,
                                                                   gloo_free=None):
-    args = tiny_args(tmp_path, imagefolder_root, epochs=1) + ["--arch", FAST_ARCH] + [
-        "--comm_hook", "powersgd", "--powersgd_start_iter", "2"]
+    args = tiny_args(tmp_path, imagefolder_root, epochs=1) + [
+        "--arch", FAST_ARCH, "--img_size", "32", "--comm_hook", "powersgd",
+        "--powersgd_start_iter", "2"]
     first = run_main("train_DDP_GradScaler", *args)
     assert first.returncode == 0, first.describe()
     assert "in a group of one process: nothing travels" in first.stderr, first.describe()
