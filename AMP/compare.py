@@ -174,7 +174,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     try:

@@ -552,7 +552,6 @@ def test_an_error_after_the_group_is_made_leaves_it_in_the_scripts_own_teardown(
     script's own ``finally`` has left the group: nothing else does it for the script."""
     import torch.distributed as dist
 
-
     made = []
     real_init = dist.init_process_group
     monkeypatch.setattr(dist, "init_process_group",

@@ -70,7 +70,6 @@ def test_validation_of_a_sharded_model_runs_as_many_forwards_on_every_rank(ranks
     assert got == want and ranks_saw[1]["padding"] == [got, want]
 
 
-
 def test_loader_workers_ignore_stop_signals_from_outside_but_end_with_their_process(
         imagefolder_root):
     """The classic loader's workers go on through a SIGTERM, SIGUSR1 or SIGINT that another

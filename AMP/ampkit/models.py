@@ -94,6 +94,7 @@ def check_arch_flags(arch: Optional[str], img_size: Optional[int]) -> None:
         if img_size is not None:
             check_input_size(arch, img_size)
 
+
 def build_model(arch: str, num_classes: int, pretrained: bool = False) -> nn.Module:
     """``arch`` with ``num_classes`` outputs, on the CPU (ImageNet weights with ``pretrained``)."""
     check_arch(arch)
@@ -217,6 +218,7 @@ def shard_units(model: nn.Module) -> List[nn.Module]:
         elif has_params(child):
             units.append(child)
     return units
+
 
 def make_network(arch: str, num_classes: int, info: DistInfo, *, seed: int,
                  pretrained: bool = False, channels_last: bool = False) -> nn.Module:

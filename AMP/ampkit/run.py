@@ -152,9 +152,6 @@ class RunFolder:
             self.lock.release()
 
 
-
-
-
 def format_duration(seconds: float) -> str:
     """``1342.4`` -> ``0h22m22s`` (the article divided seconds by 60 with //)."""
     seconds = int(round(seconds))
