@@ -252,3 +252,25 @@ def test_an_entry_that_cannot_be_loaded_safely_is_refused_as_the_run_starts(
     monkeypatch.setattr(saver_module, "gather_from_ranks", lambda items, info: items + [rank1])
     with pytest.raises(UserError, match="rank 1: .*" + why):
         make({"model": network}, DistInfo(torch.device("cpu"), rank=0, world_size=2))
+
+
+def test_without_hard_links_best_is_written_and_last_keeps_no_spare(tmp_path, monkeypatch):
+    """A file system without hard links (some network and FAT mounts): best.pth is written
+    from its fallback, and last.pth is replaced without a spare (its current file cannot take
+    a second name), leaving no temporary file behind."""
+    import errno
+    import os
+
+    def no_links(*_):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    last, best = tmp_path / "last.pth", tmp_path / "best.pth"
+    writer = checkpoint_writer.BackgroundWriter()
+    for epoch in (1, 2, 3):
+        state = {"epoch": epoch, "w": torch.full((10,), float(epoch))}
+        writer.submit([(state, last), checkpoint_writer.Link(last, best, fallback=state)])
+        writer.wait()
+        assert torch.load(last, weights_only=True)["epoch"] == epoch
+        assert torch.load(best, weights_only=True)["epoch"] == epoch
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pth", "last.pth"]
