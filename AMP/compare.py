@@ -54,7 +54,7 @@ from typing import List, Optional
 
 from ampkit.data import check_loader_flags, loader_kind
 from ampkit.errors import UserError
-from ampkit.flags import (AMP_DTYPES, DATASETS, DEFAULT_LR, REPO_ROOT, TENSORBOARD_DIR, Parser,
+from ampkit.flags import (DATASETS, DEFAULT_LR, REPO_ROOT, TENSORBOARD_DIR, Parser,
                           add_device_flags, train_parser)
 from ampkit.models import check_arch_flags
 from tools import report, stats
@@ -95,9 +95,6 @@ def build_parser() -> Parser:
                         "--extra_args '--loader classic'; default: the scripts' own, 4 with "
                         "CUDA, 0 on the CPU)")
     add_device_flags(g)
-    g.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
-                   help="autocast dtype of the AMP variants (default: float16 on CUDA, "
-                        "bfloat16 on the CPU)")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
                    help="log every run to TensorBoard under <tensorboard_root>/compare-<time>/")
     p.add_argument("--seeds", type=int, default=1, metavar="N",

@@ -72,9 +72,6 @@ def _add_common(p: argparse.ArgumentParser, *, process_group: bool, for_eval: bo
                                          if process_group
                                          else "(split across GPUs by DataParallel)"))
     add_device_flags(p)
-    p.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
-                   help="autocast dtype. Default: float16 on an accelerator (CUDA or ROCm, "
-                        "XPU, MPS), bfloat16 on the CPU")
     p.add_argument("--num_workers", type=int, default=None,
                    help="DataLoader worker processes (classic loader). Default: 4 on an "
                         "accelerator, 0 on the CPU")
@@ -98,7 +95,8 @@ def _add_common(p: argparse.ArgumentParser, *, process_group: bool, for_eval: bo
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
-    """--device, and --cuda / --no-cuda, its older spellings."""
+    """--device, --cuda / --no-cuda (its older spellings), and --amp_dtype, what autocast
+    computes in there."""
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where to run: auto is the accelerator this machine has (CUDA or ROCm, "
                         "Intel XPU, Apple MPS), else the CPU; a named one that is not there is "
@@ -107,6 +105,9 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
                    help="the same as --device cuda")
     p.add_argument("--no-cuda", dest="device", action="store_const", const="cpu",
                    help="the same as --device cpu")
+    p.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
+                   help="autocast dtype. Default: float16 on an accelerator (CUDA or ROCm, "
+                        "XPU, MPS), bfloat16 on the CPU")
 
 
 def save_interval(text: str) -> str:

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from ampkit.comm_hooks import HOOKS
 from ampkit.errors import UserError
-from ampkit.flags import (AMP_DTYPES, COMPILE_MODES, CUDA_GRAPHS_ACCUM, DATA_DIR, Parser,
+from ampkit.flags import (COMPILE_MODES, CUDA_GRAPHS_ACCUM, DATA_DIR, Parser,
                           add_device_flags)
 from ampkit.models import check_arch_flags
 
@@ -37,8 +37,6 @@ def build_parser() -> Parser:
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="steps run first and not counted")
     add_device_flags(p)
-    p.add_argument("--amp_dtype", choices=AMP_DTYPES, default=None,
-                   help="autocast dtype (default: float16 on CUDA, bfloat16 on the CPU)")
     p.add_argument("--num_classes", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--peak_tflops", type=float, default=None,
