@@ -190,8 +190,9 @@ def restore(resumed: Resumed, state: Mapping[str, Any], log, *, args) -> None:
         # The learning rate lives in the optimizer's saved state (the schedule may have
         # lowered it): --lr sets it, else it goes on as saved.
         saved_lr = optimizer.param_groups[0]["lr"]
-        for group in optimizer.param_groups if args.lr is not None else ():
-            group["lr"] = args.lr
+        if args.lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr
         now = {k: plain(v) for k, v in vars(args).items()}
         notes.append(messages.changes(resumed.trained, now, args.lr, saved_lr, DEFAULT_LR))
     resumed.state = {}
