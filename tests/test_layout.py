@@ -512,7 +512,8 @@ def test_every_collective_is_in_the_scripts_or_the_process_groups_module():
 # ------------------------------------------------------------------------ helpers' inputs
 # Parsing, the flags a checkpoint records and the changed-flags check may read the parsed
 # flags; every other helper takes named values.
-TAKES_ARGS = {"flags.py": None, "checkpoint/saver.py": {"__init__"},
+TAKES_ARGS = {"flags.py": None, "checkpoint/files.py": {"args_to_plain"},
+              "checkpoint/saver.py": {"__init__"},
               "checkpoint/resume.py": {"resume", "load_resume", "restore"},
               "checkpoint/messages.py": {"mismatches"}}
 

@@ -97,9 +97,10 @@ def _skeleton(obj: Any) -> Any:
     return obj
 
 
-def plain(value: Any) -> Any:
-    """A flag's value as a checkpoint stores it (str, int, float, bool or None)."""
-    return str(value) if isinstance(value, Path) else value
+def args_to_plain(args) -> Dict[str, Any]:
+    """The run's flags (an argparse Namespace) as a checkpoint stores them, and as a resumed
+    run's are compared with them: str, int, float, bool or None."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
 def strip_prefixes(state_dict: Dict[str, Any]) -> Dict[str, Any]:

@@ -25,8 +25,8 @@ from ..errors import UserError
 from ..flags import DEFAULT_LR
 from ..randomness import restore_random_state
 from . import messages
-from .files import (BEST, LAST, RECORD, RESUMING, load, load_weights, load_with_identity, plain,
-                    resolve, weights_of)
+from .files import (BEST, LAST, RECORD, RESUMING, args_to_plain, load, load_weights,
+                    load_with_identity, resolve, weights_of)
 from .writer import Link, atomic_save, link_or_write
 
 
@@ -193,8 +193,8 @@ def restore(resumed: Resumed, state: Mapping[str, Any], log, *, args) -> None:
         if args.lr is not None:
             for group in optimizer.param_groups:
                 group["lr"] = args.lr
-        now = {k: plain(v) for k, v in vars(args).items()}
-        notes.append(messages.changes(resumed.trained, now, args.lr, saved_lr, DEFAULT_LR))
+        notes.append(messages.changes(resumed.trained, args_to_plain(args), args.lr, saved_lr,
+                                      DEFAULT_LR))
     resumed.state = {}
     log.print(messages.start(resumed, args.variant, args.epochs, args.init_from,
                              "\n".join(filter(None, notes))))

@@ -23,7 +23,7 @@ import torch
 
 from ..distributed import DistInfo, any_rank, gather_from_ranks, rank_random_states, state_dicts
 from ..errors import Interrupted, UserError
-from .files import BEST, LAST, Record, plain, refusal, strip_prefixes, weights_of
+from .files import BEST, LAST, Record, args_to_plain, refusal, strip_prefixes, weights_of
 from .messages import abandoned, saved
 from .writer import BackgroundWriter, Link, Snapshot, remove_spares
 
@@ -144,7 +144,7 @@ class Saver:
             epoch=epoch, step=step, best_acc=self.best_acc, best_epoch=self.best_epoch,
             val_acc=val_acc, arch=self.args.arch, num_classes=self.num_classes,
             variant=self.args.variant, world_size=self.info.world_size,
-            args={k: plain(v) for k, v in vars(self.args).items()},
+            args=args_to_plain(self.args),
             torch_version=str(torch.__version__)))
         if so_far is not None:
             record["epoch_so_far"] = dataclasses.asdict(so_far)
