@@ -78,6 +78,10 @@ BAD = {
     "labels as images": (NAMES["train"][0], idx_bytes(labels), "magic number 0x00000801"),
     "counts disagree": (NAMES["train"][1], idx_bytes(labels[:-1]), "40 images but"),
     "label out of range": (NAMES["train"][1], idx_bytes(labels + 10), "not a class index"),
+    # A file of 0 items is its header alone: not a tensor read past its end.
+    "only the labels empty": (NAMES["train"][1], idx_bytes(labels[:0]), "40 images but .* 0 labels"),
+    "sizes past 64 bits": (NAMES["train"][0], idx_bytes(images)[:4] + b"\xff" * 12,
+                           "needs 79,228,162,458,924,105,385,300,197,391"),
 }
 
 
@@ -88,6 +92,36 @@ def test_a_malformed_file_is_one_line_naming_it(tmp_path, case):
     with pytest.raises(UserError, match=words) as e:
         load_fashion_mnist(root, True, download=False)
     assert str(root) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("shape, words", [((0, 28, 28), "holds no images"),
+                                           ((40, 0, 28), "holds images of 0 x 28 pixels")])
+def test_an_empty_split_is_one_line(tmp_path, shape, words):
+    """Both files of a split describe no pixels: one line, whichever split a script reads."""
+    root = _bad(tmp_path, NAMES["test"][0], idx_bytes(images[:shape[0], :shape[1]]))
+    count = shape[0]
+    _rewrite(root, NAMES["test"][1], idx_bytes(labels[:count]))
+    for run in (lambda: load_fashion_mnist(root, False, download=False),
+                lambda: build_loaders("FashionMNIST", root, 32, 8, CPU, loader="classic")):
+        with pytest.raises(UserError, match=words) as e:
+            run()
+        assert NAMES["test"][0] in str(e.value) and "\n" not in str(e.value)
+
+
+def test_both_paths_read_the_idx_files_whatever_cache_lies_beside_them(tmp_path):
+    """torchvision's own FashionMNIST loads its legacy cache (``processed/*.pt``) where one
+    exists, unchecked: the classic path reads the checked idx files all the same."""
+    root = write_fashion_mnist(tmp_path, N_TRAIN, N_TEST, layout="torchvision")
+    processed = root / "FashionMNIST" / "processed"
+    processed.mkdir()
+    for name, n in (("training.pt", N_TRAIN), ("test.pt", N_TEST)):
+        torch.save((torch.zeros(n, 28, 28, dtype=torch.uint8), torch.full((n,), 7)),
+                   processed / name)
+    assert (torchvision.datasets.FashionMNIST(str(root), train=False).targets == 7).all()
+    for train in (True, False):
+        checked = load_fashion_mnist(root, train, download=False)
+        classic = datasets.FashionMNIST(root, train, None, download=False)
+        assert torch.equal(classic.data, checked[0]) and torch.equal(classic.targets, checked[1])
 
 
 def test_not_gzip_and_an_incomplete_folder_are_one_line(tmp_path):

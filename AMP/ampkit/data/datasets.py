@@ -7,6 +7,7 @@ extracted again from the archive beside it. An unreadable image of an ImageFolde
 from __future__ import annotations
 
 import gzip
+import math
 import numbers
 import os
 import pickle
@@ -224,10 +225,14 @@ def read_idx(path: Path, magic: int) -> torch.Tensor:
                         f"expected 0x{magic:08x})")
     header = 4 * (1 + (magic & 0xFF))
     shape = [int.from_bytes(data[i:i + 4], "big") for i in range(4, header, 4)]
-    expected = header + torch.Size(shape).numel()
+    # Python's integers: a header's sizes may multiply past 64 bits.
+    expected = header + math.prod(shape)
     if len(data) != expected:
         raise UserError(f"{path}: {'truncated' if len(data) < expected else 'too long'}: "
-                        f"{len(data)} bytes where its header {tuple(shape)} needs {expected}")
+                        f"{len(data):,} bytes where its header {tuple(shape)} needs {expected:,}")
+    # frombuffer refuses an offset at the buffer's end: a file of 0 items is its header alone.
+    if expected == header:
+        return torch.empty(shape, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=header).view(*shape)
 
 
@@ -255,6 +260,11 @@ def load_fashion_mnist(root: Path, train: bool,
     if len(images) != len(labels):
         raise UserError(f"{folder}: {image_file.name} holds {len(images)} images but "
                         f"{label_file.name} {len(labels)} labels")
+    if not images.numel():
+        what = "no images" if not len(images) else "images of {} x {} pixels".format(
+            *images.shape[1:])
+        raise UserError(f"{image_file}: holds {what}: nothing to train or test on. Put "
+                        f"Fashion-MNIST's own files there, or: {FASHION_OFFLINE}")
     bad = (labels >= FASHION_CLASSES).nonzero()
     if len(bad):
         raise UserError(f"{label_file}: label {int(labels[bad[0]])} of image {int(bad[0])} is "
@@ -268,6 +278,10 @@ class FashionMNIST(torchvision.datasets.FashionMNIST):
     def __init__(self, root: Path, train: bool, transform, download: bool) -> None:
         self.checked = load_fashion_mnist(root, train, download)
         super().__init__(str(root), train=train, transform=transform)
+
+    def _check_legacy_exist(self) -> bool:
+        # torchvision would load its old cache (processed/*.pt) in place of the checked files.
+        return False
 
     def _check_exists(self) -> bool:
         # load_fashion_mnist checked the files, in layouts torchvision's check does not know.
