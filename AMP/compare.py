@@ -60,6 +60,7 @@ from ampkit.models import check_arch_flags
 from tools import report, stats
 from tools.compare_results import TB_ACCURACY, write_results
 from tools.comparison import Comparison, short
+from tools.help_format import DefaultsOnce
 from tools.report import FAILED, INTERRUPTED, OK, VariantResult
 from tools.variants import ARTICLE_VARIANTS, LABEL, TRAIN_VARIANTS, script_of
 
@@ -69,8 +70,7 @@ RESULTS_DIR = REPO_ROOT / "results"
 def build_parser() -> Parser:
     d = train_parser("train_without")  # the train scripts' defaults, kept in sync
     p = Parser(prog="compare.py", description=__doc__.split("\n\n")[0],
-               formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(
-                   prog, max_help_position=32))
+               formatter_class=DefaultsOnce)
     p.add_argument("--variants", default=None,
                    help="comma-separated training variants to run, in this order "
                         f"(any of: {', '.join(TRAIN_VARIANTS)}), or 'all'; SCRIPT+LABEL "
@@ -79,17 +79,22 @@ def build_parser() -> Parser:
     g = p.add_argument_group("passed to every variant")
     g.add_argument("--arch", default=d.get_default("arch"),
                    help="the network (alexnet, or a torchvision classifier; --arch list)")
-    g.add_argument("--dataset", choices=DATASETS, default=d.get_default("dataset"))
-    g.add_argument("--dataset_root", type=Path, default=d.get_default("dataset_root"))
-    g.add_argument("--img_size", type=int, default=d.get_default("img_size"))
-    g.add_argument("--epochs", type=int, default=d.get_default("epochs"))
+    g.add_argument("--dataset", choices=DATASETS, default=d.get_default("dataset"),
+                   help="the data set (as the train scripts' --dataset)")
+    g.add_argument("--dataset_root", type=Path, default=d.get_default("dataset_root"),
+                   help="data set folder")
+    g.add_argument("--img_size", type=int, default=d.get_default("img_size"),
+                   help="images are resized to img_size x img_size")
+    g.add_argument("--epochs", type=int, default=d.get_default("epochs"), help="epochs per run")
     g.add_argument("--train_subset", type=int, default=None, metavar="N",
                    help="train on N images of the training set, as many of each class, the same "
-                        "for every variant and seed (named in the results and figure)")
+                        "for every variant and seed (named in the results and figure). Default: "
+                        "the whole training set")
     g.add_argument("--batch_size", type=int, default=d.get_default("batch_size"),
                    help="batch size; PER PROCESS for the DDP variants, as in their scripts")
-    g.add_argument("--lr", type=float, default=DEFAULT_LR)
-    g.add_argument("--seed", type=int, default=d.get_default("seed"))
+    g.add_argument("--lr", type=float, default=DEFAULT_LR, help="AdamW's learning rate")
+    g.add_argument("--seed", type=int, default=d.get_default("seed"),
+                   help="the first run's seed (see --seeds)")
     g.add_argument("--num_workers", type=int, default=None,
                    help="DataLoader workers of the classic input path (ImageFolder, or "
                         "--extra_args '--loader classic'; default: the scripts' own, 4 with "

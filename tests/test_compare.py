@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST_ARCH, IF_VAL_SIZE, event_files, run_script
+from conftest import FAST_ARCH, IF_VAL_SIZE, event_files, run_main, run_script
 
 from ampkit.models import build_model
 from tools import figure, report, run_logs, runner  # AMP/ is on sys.path (conftest)
@@ -725,3 +725,34 @@ def test_benchmark_refuses_cuda_graphs_off_one_device_in_one_line(capsys):
                            "--batch_size", "2", "--img_size", "64"])
     out = capsys.readouterr().out
     assert code == 1 and "failed: --compile reduce-overhead (CUDA graphs) is for one device" in out
+
+
+@pytest.mark.parametrize("script", ["compare", "benchmark"])
+def test_help_says_each_default_once(script):
+    """An option's help says its default once: in its own words, or argparse's "(default:
+    X)" where it has a value; never twice, never "(default: None)"."""
+    import argparse
+
+    import compare
+    from tools import benchmark_flags
+
+    parser = {"compare": compare.build_parser, "benchmark": benchmark_flags.build_parser}[script]()
+    res = run_main(script, "--help")
+    assert res.returncode == 0, res.describe()
+    blocks, text = {}, res.stdout.split("\noptions:\n", 1)[1]
+    for line in text.splitlines():
+        if re.match(r"\s{2}-", line):
+            name = line.split()[0].rstrip(",")
+            blocks[name] = ""
+        if blocks:
+            blocks[name] += " " + line
+    assert "--seeds" in blocks or "--steps" in blocks
+    for action in parser._actions:
+        if not action.option_strings or action.option_strings[0] == "-h":
+            continue
+        said = " ".join(blocks[action.option_strings[0]].split())
+        assert "(default: None)" not in said, said
+        count = len(re.findall(r"\bdefault\b", said, re.IGNORECASE))
+        has_value = action.default not in (None, []) and (
+            action.nargs != 0 or isinstance(action, argparse.BooleanOptionalAction))
+        assert count == (1 if has_value else count) and count <= 1, said

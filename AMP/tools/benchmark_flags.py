@@ -13,6 +13,7 @@ from ampkit.flags import (COMPILE_MODES, CUDA_GRAPHS_ACCUM, DATA_DIR, Parser,
                           add_device_flags)
 from ampkit.models import check_arch_flags
 
+from .help_format import DefaultsOnce
 from .variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
 
 DESCRIPTION = "Steady-state training throughput of each variant, and of the input pipeline alone."
@@ -25,20 +26,20 @@ PIPELINES = {"all": ["article", "classic", "fast"], "both": ["classic", "fast"],
 def build_parser() -> Parser:
     # allow_abbrev=False: a mistyped --dataset_r must not pass for --dataset_root.
     p = Parser(prog="benchmark.py", description=DESCRIPTION, allow_abbrev=False,
-               formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(
-                   prog, max_help_position=32))
+               formatter_class=DefaultsOnce)
     p.add_argument("--variants", default=None,
                    help="comma-separated variants to measure, 'all' (the FSDP ones too), or "
                         "'none' (input pipeline only). Default: the article's nine")
     p.add_argument("--arch", default="alexnet",
                    help="the network (alexnet, or a torchvision classifier; --arch list)")
     p.add_argument("--batch_size", type=int, default=64, help="images per step (per process)")
-    p.add_argument("--img_size", type=int, default=227)
+    p.add_argument("--img_size", type=int, default=227,
+                   help="images are img_size x img_size")
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="steps run first and not counted")
     add_device_flags(p)
-    p.add_argument("--num_classes", type=int, default=10)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--num_classes", type=int, default=10, help="the network's classes")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate")
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="peak dense fp16/bf16 TFLOP/s of ONE device, for the utilisation of "
                         "the autocast variants. Default: by GPU name (ampkit/device.py)")
