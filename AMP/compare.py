@@ -16,9 +16,10 @@ the flags that ``--extra_args 'SCRIPT+LABEL=...'`` gives it, in a run folder of 
 its accuracy is compared with SCRIPT's plain runs when they ran too. Everything lands under
 ``<out>/<time>/``:
 
-- ``results.csv``, ``results.md`` (one row per variant) and ``results.png``: validation
-  accuracy against cumulative training time (the training loops alone, as logged in
-  ``train_time``), the speed-up of each variant over ``train_without`` (steady-state
+- ``results.csv``, ``results.md`` (one row per variant), ``results.json`` (the runs and
+  each variant over its seeds) and ``results.png``: validation accuracy against cumulative
+  training time (the training loops alone, as logged in ``train_time``) with the target
+  accuracy as a line, the speed-up of each variant over ``train_without`` (steady-state
   images/s) and the peak memory per device;
 - ``checkpoint/<variant>/{last,best}.pth, log.jsonl``;
 - ``logs/<variant>.train.log``, ``logs/<variant>.eval.log`` (the commands' output);
@@ -40,6 +41,12 @@ and whether that difference is within seed noise (Welch's t-test at 5 %, ``tools
 the figure draws each variant's band over its seeds. Each seed's runs write under
 ``seed<k>/`` of the checkpoint and TensorBoard folders.
 
+Time to target: each run's training-loop time, epochs and images until its validation
+accuracy first reaches ``--target_acc`` (by default the fp32 baseline's mean final test
+accuracy less its seed standard deviation; the output says which and how), or "not
+reached"; over seeds, its mean ± sd over the runs that reached it and Welch's verdict
+against the fp32 variant of its parallel mode.
+
 A run that fails is reported as failed with a one-line reason and the others still run;
 the table counts the runs that finished, and the exit status is then 1. For steady-state step throughput without data
 loading, see ``AMP/benchmark.py``.
@@ -47,6 +54,7 @@ loading, see ``AMP/benchmark.py``.
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -106,6 +114,11 @@ def build_parser() -> Parser:
                    help="runs per variant, with seeds --seed, --seed + 1, ...: the table gives "
                         "each variant's mean and spread, and whether its accuracy differs "
                         "from its fp32 baseline by more than seed noise")
+    p.add_argument("--target_acc", type=target_fraction, default=None, metavar="A",
+                   help="the validation accuracy each run's time to target is measured to, a "
+                        "fraction in (0, 1]. Default: the fp32 baseline's (train_without, else "
+                        "the first plain fp32 variant to finish) mean final test accuracy less "
+                        "its seed standard deviation; with one run, its accuracy itself")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes of the DDP variants (default: the number of GPUs, or 2 "
                         "without CUDA)")
@@ -117,6 +130,18 @@ def build_parser() -> Parser:
                    help="more flags for the training command of VARIANT (or of every variant "
                         "without VARIANT=), e.g. --extra_args 'train_DP=--log_every 5'; repeatable")
     return p
+
+
+def target_fraction(text: str) -> float:
+    """--target_acc's value: an accuracy as a fraction, in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"must be an accuracy as a fraction in (0, 1], e.g. 0.8, got {text!r}")
+    return value
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -202,13 +227,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"==> {comp.run_name(variant, seed)} FAILED: {r.reason}", flush=True)
         write_results(comp, results, plot=False)  # after every run: a long comparison keeps what it has
 
-    write_results(comp, results)
+    target = write_results(comp, results)
     if args.seeds > 1:
         print(f"\nOver {args.seeds} seeds:\n\n{stats.seed_table(stats.summarise_seeds(results))}"
               f"\n\n{stats.RULE}\n\nEvery run: {comp.dir / 'results.md'}")
     else:
         print("\n" + report.markdown_table(results))
-    print(f"\nresults: {comp.dir / 'results.csv'}, results.md, results.png")
+    print(f"\n{target.sentence()}.\n{stats.time_rule(args.seeds)}")
+    print(f"\nresults: {comp.dir / 'results.csv'}, results.json, results.md, results.png")
     if args.tensorboard:
         print(f"TensorBoard: this comparison's runs are under {comp.tb_dir}/<variant>/; to see "
               f"every variant in one view: tensorboard --logdir {short(args.tensorboard_root)} "

@@ -12,7 +12,7 @@ import torch
 from conftest import FAST_ARCH, IF_VAL_SIZE, event_files, run_main, run_script
 
 from ampkit.models import build_model
-from tools import figure, report, run_logs, runner  # AMP/ is on sys.path (conftest)
+from tools import figure, report, run_logs, runner, stats  # AMP/ is on sys.path (conftest)
 
 OK_VARIANTS = ("train_without", "train_DDP")
 FAILING = "train_GradScaler"  # forced to fail with an unknown flag
@@ -461,11 +461,12 @@ def test_welch_p_values_are_students():
     assert welch([0.8], [0.7, 0.71]) is None  # one run says nothing of noise
 
 
-def _fake_children(monkeypatch, accuracies, fail=()):
+def _fake_children(monkeypatch, accuracies, fail=(), seconds=None):
     """compare.py's children, faked: a training command writes the log.jsonl and last.pth a
-    run would, with ``accuracies[(variant, seed)]`` as its final validation accuracy, and
-    an eval command prints it (as c/1000); the (variant, seed) in ``fail`` exit 1. Returns
-    the list the commands go to."""
+    run would, 2 epochs with ``accuracies[(variant, seed)]`` as its final validation
+    accuracy (0.1 less after epoch 1) and ``seconds[(variant, seed)]`` (2.0 by default) as
+    each epoch's training time, and an eval command prints it (as c/1000); the (variant,
+    seed) in ``fail`` exit 1. Returns the list the commands go to."""
     from tools import runner
 
     def run_child(cmd, log_path=None, env=None, **kw):
@@ -482,9 +483,11 @@ def _fake_children(monkeypatch, accuracies, fail=()):
         root = Path(cmd[cmd.index("--checkpoint") + 1])
         run_dir = root / script
         run_dir.mkdir(parents=True)
-        acc = accuracies[(root.name if "+" in root.name else script, seed)]
+        key = (root.name if "+" in root.name else script, seed)
+        acc, train_time = accuracies[key], (seconds or {}).get(key, 2.0)
         (run_dir / "log.jsonl").write_text("".join(json.dumps(
-            {"epoch": e, "train_time": 2.0, "images_per_s": 100.0 + seed, "val_acc": acc - 0.1 * (2 - e),
+            {"epoch": e, "train_time": train_time, "images_per_s": 100.0 + seed,
+             "val_acc": acc - 0.1 * (2 - e),
              "peak_mem_mb": 500.0, "tflops": 0.5}) + "\n" for e in (1, 2)))
         (run_dir / "last.pth").write_bytes(b"")
         return runner.ChildRun(0, "", "", 10.0 + seed, 500.0)
@@ -725,6 +728,205 @@ def test_benchmark_refuses_cuda_graphs_off_one_device_in_one_line(capsys):
                            "--batch_size", "2", "--img_size", "64"])
     out = capsys.readouterr().out
     assert code == 1 and "failed: --compile reduce-overhead (CUDA graphs) is for one device" in out
+
+
+# ------------------------------------------------------------------ time to a target accuracy
+def test_time_to_target_is_the_first_epoch_whose_accuracy_reaches_it():
+    """The training loops' time, the epoch and the images (images/s x training time, epoch by
+    epoch) to the end of the first epoch at or above the target; None where none is."""
+    rows = [{"epoch": 1, "train_time": 10.0, "images_per_s": 50.0, "val_acc": 0.4},
+            {"epoch": 2, "train_time": 8.0, "images_per_s": 100.0, "val_acc": 0.7},
+            {"epoch": 3, "train_time": 8.0, "images_per_s": 100.0, "val_acc": 0.65},
+            {"epoch": 4, "train_time": 6.0, "images_per_s": 150.0, "val_acc": 0.8}]
+    reach = run_logs.time_to_target
+    assert reach(rows, 0.7) == run_logs.Reached(2, 18.0, 1300)  # exactly the target counts
+    assert reach(rows, 0.75) == run_logs.Reached(4, 32.0, 3000)  # after a dip below it
+    assert reach(rows, 0.3) == run_logs.Reached(1, 10.0, 500)
+    assert reach(rows, 0.81) is None
+    # a resumed epoch's last row counts: here it fell short of the target
+    assert reach(rows[:2] + [dict(rows[1], train_time=9.0, val_acc=0.6)], 0.7) is None
+    # no images/s in a row: the time and epoch stand, the images are unknown
+    assert reach([rows[0], {k: v for k, v in rows[1].items() if k != "images_per_s"}], 0.7) \
+        == run_logs.Reached(2, 18.0, None)
+    # an epoch of unknown training time: no later epoch's time is claimed
+    assert reach([rows[0], {"epoch": 2, "val_acc": 0.9}], 0.7) is None
+
+
+def _finished(script, test_acc, **figures):
+    r = _result(script)
+    r.test_acc = test_acc
+    for k, v in figures.items():
+        setattr(r, k, v)
+    return r
+
+
+def test_the_target_is_the_fp32_baselines_mean_accuracy_less_its_seed_spread():
+    runs = [_finished("train_DP", 0.5), *(_finished("train_without", a) for a in (0.70, 0.72, 0.74)),
+            _finished("train_without", 0.99, status="failed"), _finished("train_autocast", 0.9)]
+    t = stats.choose_target(runs)
+    assert t.acc == pytest.approx(0.70)  # train_without's, though train_DP finished first
+    assert t.how == ("target: 0.7000 = train_without's mean final test accuracy 0.7200 less "
+                     "its seed sd 0.0200 (3 runs)")
+    assert stats.choose_target(runs, 0.6) == stats.Target(0.6, "target: 0.6000 (--target_acc)")
+    one = stats.choose_target(runs[:2])
+    assert one.acc == pytest.approx(0.70) and "one run: no seed spread" in one.how
+    # without train_without: the first plain fp32 variant to finish, not a labelled one
+    ddp = [_finished("train_DDP_autocast", 0.9), _finished("train_DDP", 0.9, variant="train_DDP+x"),
+           _finished("train_DDP", 0.6), _finished("train_DP", 0.4)]
+    assert stats.choose_target(ddp).acc == pytest.approx(0.6)
+    assert "train_DDP's final test accuracy" in stats.choose_target(ddp).how
+    none = stats.choose_target(ddp[:2])
+    assert none.acc is None and none.how.startswith("no target: no fp32 baseline")
+
+
+def test_time_to_target_over_seeds_counts_the_runs_that_reached_it():
+    """Mean ± sd over the runs that reached the target (k of n finished), and Welch's test
+    on those times against the baseline's."""
+    def runs(variant, times):
+        return [_finished(variant, 0.8, seed=i, target_acc=0.7, reached_target=t is not None,
+                          time_to_target_s=t, epochs_to_target=t and 2,
+                          images_to_target=t and 100) for i, t in enumerate(times)]
+
+    results = (runs("train_without", [10.0, 10.5, 9.5]) + runs("train_autocast", [5.0, 5.5, 4.5])
+               + runs("train_GradScaler", [10.2, None, 9.6]))
+    rows = {r[0]: dict(zip(stats.SEED_HEADER, r))
+            for r in stats.seed_rows(stats.summarise_seeds(results))}
+    assert rows["train_without"]["time to target"] == "10.0s ± 0.5s (9.5s–10.5s), 3 of 3 reached"
+    assert rows["train_without"]["time verdict"] == "(the baseline)"
+    assert rows["train_autocast"]["Δ time to target vs baseline"] == "-5.0s ± 0.4s"
+    assert rows["train_autocast"]["time verdict"].startswith("beyond seed noise (p = ")
+    assert rows["train_GradScaler"]["time to target"] == \
+        "9.9s ± 0.4s (9.6s–10.2s), 2 of 3 reached"
+    assert rows["train_GradScaler"]["time verdict"].startswith("within seed noise (p = ")
+    figures = stats.variant_figures(stats.summarise_seeds(results)[2])
+    assert figures["reached_target"] == 2 and figures["finished"] == 3
+    assert figures["time_to_target_s"]["n"] == 2
+    assert figures["time_to_target_delta"]["diff"] == pytest.approx(-0.1)
+    # no target: nothing measured, nothing to say
+    for r in results:
+        r.reached_target = r.time_to_target_s = None
+    row = stats.seed_rows(stats.summarise_seeds(results))[1]
+    assert row[-3:] == ["-", "-", "-"]
+
+
+def test_seeds_give_each_variant_its_time_to_the_automatic_target(tmp_path, monkeypatch, capsys):
+    """3 seeds: the target is train_without's mean final accuracy (0.72) less its seed sd
+    (0.0265), 0.6935; train_autocast reaches it an epoch sooner (beyond noise),
+    train_GradScaler as fast on two seeds and never on the third; DDP's autocast is timed
+    against train_DDP, as fast, not against train_without. The figure gets the target."""
+    import compare
+    from tools import compare_results
+
+    accs = {("train_without", s): a for s, a in enumerate([0.70, 0.71, 0.75])}
+    accs |= {("train_autocast", s): a for s, a in enumerate([0.80, 0.81, 0.82])}
+    accs |= {("train_GradScaler", s): a for s, a in enumerate([0.80, 0.69, 0.82])}
+    accs |= {(v, s): a for v in ("train_DDP", "train_DDP_autocast")
+             for s, a in enumerate([0.75, 0.76, 0.77])}
+    secs = {("train_without", s): t for s, t in enumerate([2.0, 2.2, 1.8])}
+    secs |= {("train_autocast", s): t for s, t in enumerate([1.0, 1.1, 0.9])}
+    secs |= {("train_GradScaler", s): t for s, t in enumerate([4.1, 1.0, 3.7])}
+    secs |= {("train_DDP", s): t for s, t in enumerate([1.0, 1.1, 0.9])}
+    secs |= {("train_DDP_autocast", s): t for s, t in enumerate([1.05, 1.0, 0.95])}
+    _fake_children(monkeypatch, accs, seconds=secs)
+    drawn = []
+    real_plot = compare_results.plot_results
+    monkeypatch.setattr(compare_results, "plot_results",
+                        lambda *a, **kw: drawn.append(kw) or real_plot(*a, **kw))
+    variants = ["train_without", "train_autocast", "train_GradScaler", "train_DDP",
+                "train_DDP_autocast"]
+    assert compare.main(["--variants", ",".join(variants), "--seeds", "3", "--no-cuda",
+                         "--no-tensorboard", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    how = ("target: 0.6935 = train_without's mean final test accuracy 0.7200 less its seed "
+           "sd 0.0265 (3 runs)")
+    assert f"T{how[1:]}." in out and stats.time_rule(3) in out
+    table = out[out.index("Over 3 seeds:"):]
+    line = {v: dict(zip(stats.SEED_HEADER, [c.strip() for c in next(
+        ln for ln in table.splitlines() if ln.startswith(f"| {v} |")).split("|")[1:-1]]))
+        for v in variants}
+    assert line["train_without"]["time to target"] == "4.0s ± 0.4s (3.6s–4.4s), 3 of 3 reached"
+    assert line["train_autocast"]["Δ time to target vs baseline"] == "-3.0s ± 0.2s"
+    assert line["train_autocast"]["time verdict"].startswith("beyond seed noise")
+    assert line["train_GradScaler"]["time to target"].endswith("2 of 3 reached")
+    assert line["train_GradScaler"]["time verdict"].startswith("within seed noise")
+    assert line["train_DDP_autocast"]["time verdict"].startswith("within seed noise")
+    (run,) = tmp_path.iterdir()
+    assert f"- T{how[1:]}" in (run / "results.md").read_text()
+    rows = {(r["variant"], r["seed"]): r for r in csv.DictReader(open(run / "results.csv"))}
+    base = rows[("train_without", "1")]
+    assert float(base["target_acc"]) == pytest.approx(0.6935425, abs=1e-7)
+    assert (base["reached_target"], base["epochs_to_target"], base["images_to_target"]) == \
+        ("True", "2", "444")  # 101 images/s x 2.2 s, twice
+    assert float(base["time_to_target_s"]) == pytest.approx(4.4)
+    missed = rows[("train_GradScaler", "1")]
+    assert (missed["reached_target"], missed["time_to_target_s"]) == ("False", "")
+    data = json.loads((run / "results.json").read_text())
+    assert data["target"]["how"] == how and data["time_to_target"] == stats.time_rule(3)
+    assert [(r["variant"], r["seed"]) for r in data["runs"]] == [
+        (v, s) for s in range(3) for v in variants]
+    assert data["runs"][0]["time_to_target_s"] == pytest.approx(4.0)
+    per = {v["variant"]: v for v in data["variants"]}
+    assert per["train_GradScaler"]["reached_target"] == 2
+    assert per["train_GradScaler"]["time_to_target_s"]["mean"] == pytest.approx(3.9)
+    assert per["train_autocast"]["time_to_target_delta"]["diff"] == pytest.approx(-3.0)
+    assert per["train_DDP_autocast"]["baseline"] == "train_DDP"
+    assert drawn[-1]["target"] == pytest.approx(0.6935425, abs=1e-7)
+    assert drawn[-1]["target_label"] == how
+
+
+def test_one_seed_times_each_run_to_the_baselines_own_accuracy(tmp_path, monkeypatch, capsys):
+    import compare
+
+    _fake_children(monkeypatch, {("train_without", 0): 0.7, ("train_autocast", 0): 0.8,
+                                 ("train_GradScaler", 0): 0.65})
+    assert compare.main(["--variants", "train_without,train_autocast,train_GradScaler",
+                         "--no-cuda", "--no-tensorboard", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Target: 0.7000 = train_without's final test accuracy (one run: no seed spread " \
+           f"to subtract).\n{stats.TIME_RULE}\n" in out
+    header = next(ln for ln in out.splitlines() if ln.startswith("| variant"))
+    column = [c.strip() for c in header.split("|")].index("time to target")
+    cells = {ln.split("|")[1].strip(): ln.split("|")[column].strip()
+             for ln in out.splitlines() if ln.startswith("| train_")}
+    assert cells == {"train_without": "4.0s (epoch 2, 400 images)",
+                     "train_autocast": "2.0s (epoch 1, 200 images)",
+                     "train_GradScaler": "not reached"}
+
+
+def test_a_given_target_is_the_one_used_and_said(tmp_path, monkeypatch, capsys):
+    import compare
+
+    _fake_children(monkeypatch, {("train_without", 0): 0.7})
+    assert compare.main(["--variants", "train_without", "--target_acc", "0.55", "--no-cuda",
+                         "--no-tensorboard", "--out", str(tmp_path)]) == 0
+    assert "Target: 0.5500 (--target_acc)." in capsys.readouterr().out
+    (row,) = csv.DictReader(open(next(tmp_path.rglob("results.csv"))))
+    assert (row["target_acc"], row["epochs_to_target"]) == ("0.55", "1")
+
+
+@pytest.mark.parametrize("value", ["0", "1.01", "-0.5", "nan", "inf", "80%"])
+def test_a_target_accuracy_outside_0_to_1_is_one_line(value, capsys):
+    import compare
+
+    with pytest.raises(SystemExit) as e:
+        compare.parse_args(["--target_acc", value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "--target_acc" in err[0] and "(0, 1]" in err[0] and repr(value) in err[0]
+    assert compare.parse_args(["--target_acc", "1"]).target_acc == 1.0
+
+
+def test_the_figure_draws_the_target_as_a_labelled_line():
+    curves = {"train_without": [(1, 10.0, 0.4), (2, 19.0, 0.6)]}
+    fig = figure.plot_results([_result("train_without", images_per_s=1.0)], None, curves=curves,
+                              target=0.55, target_label="target: 0.5500 (--target_acc)")
+    acc = fig.axes[0]
+    assert [list(ln.get_ydata()) for ln in acc.get_lines()][1] == [0.55, 0.55]
+    assert [t.get_text() for t in acc.get_legend().get_texts()] == ["train_without",
+                                                                    "target 0.5500"]
+    assert "target: 0.5500 (--target_acc)" in _panel_texts(acc)
+    fig = figure.plot_results([_result("train_without", images_per_s=1.0)], None, curves=curves)
+    assert len(fig.axes[0].get_lines()) == 1  # no target, no line
 
 
 @pytest.mark.parametrize("script", ["compare", "benchmark"])

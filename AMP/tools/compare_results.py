@@ -1,14 +1,18 @@
 """What a comparison writes: results.csv, results.md (with the spread over seeds and the
-Welch verdicts), results.png, and its TensorBoard curves of accuracy against training time."""
+Welch verdicts), results.json (every run's figures and each variant's over its seeds),
+results.png, and its TensorBoard curves of accuracy against training time; each run's time
+to the comparison's target accuracy, measured from its log.jsonl."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import platform
 import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from . import report, run_logs, stats
 from .comparison import Comparison, cpu_name, gpu_name, short
@@ -16,7 +20,7 @@ from .figure import plot_results
 from .report import VariantResult
 
 
-def _preamble(comp: Comparison, machine: str) -> List[str]:
+def _preamble(comp: Comparison, machine: str, target: stats.Target) -> List[str]:
     a = comp.args
     command = shlex.join(["python", os.path.relpath(sys.argv[0])] + sys.argv[1:]) \
         if sys.argv and sys.argv[0].endswith("compare.py") else "(from Python)"
@@ -29,6 +33,7 @@ def _preamble(comp: Comparison, machine: str) -> List[str]:
         f"{a.img_size}px; {a.epochs} epochs, batch "
         f"{a.batch_size} (per process under DDP), AdamW lr {a.lr:g}, {seeds}",
         f"- Run: {time.strftime('%Y-%m-%d %H:%M')}; DDP variants: {comp.nproc} processes",
+        f"- {target.sentence()}",
     ]
 
 
@@ -55,23 +60,56 @@ NOTES = [
 ]
 
 
-def write_results(comp: Comparison, results: List[VariantResult], plot: bool = True) -> str:
-    """results.csv and results.md (and with ``plot`` results.png and the TensorBoard
-    curves) of the runs so far; the Markdown text."""
+def measure_to_target(comp: Comparison, results: Sequence[VariantResult],
+                      target: stats.Target) -> None:
+    """Each finished run's time, epochs and images to ``target``, from its log.jsonl."""
+    for r in results:
+        r.target_acc = target.acc
+        hit = None
+        if target.acc is not None and r.status == report.OK:
+            hit = run_logs.time_to_target(
+                run_logs.read_log(comp.run_dir(r.variant, r.seed) / "log.jsonl"), target.acc)
+        r.reached_target = None if target.acc is None or r.status != report.OK else bool(hit)
+        r.time_to_target_s, r.epochs_to_target, r.images_to_target = (
+            (hit.seconds, hit.epoch, hit.images) if hit else (None, None, None))
+
+
+def write_json(path: Path, results: Sequence[VariantResult],
+               summaries: Sequence[stats.SeedSummary], target: stats.Target,
+               seeds: int) -> None:
+    """results.json: the target and how it was chosen, every run's figures (results.csv's
+    columns) and each variant's over its seeds (:func:`stats.variant_figures`)."""
+    data = {"target": {"acc": target.acc, "how": target.how},
+            "time_to_target": stats.time_rule(seeds),
+            "runs": [dataclasses.asdict(r) for r in results],
+            "variants": [stats.variant_figures(s) for s in summaries]}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+
+
+def write_results(comp: Comparison, results: List[VariantResult],
+                  plot: bool = True) -> stats.Target:
+    """results.csv, results.md and results.json (and with ``plot`` results.png and the
+    TensorBoard curves) of the runs so far, each run's time to target filled in; the
+    target."""
     a = comp.args
     machine = (f"{comp.gpus} x {gpu_name()}" if comp.cuda
                else f"CPU: {cpu_name()}, {os.cpu_count()} cores")
-    summaries = stats.summarise_seeds(results) if a.seeds > 1 else None
+    target = stats.choose_target(results, a.target_acc)
+    measure_to_target(comp, results, target)
+    every = stats.summarise_seeds(results)
+    summaries = every if a.seeds > 1 else None
     summary = ("" if summaries is None else
                f"Over {a.seeds} seeds:\n\n{stats.seed_table(summaries)}\n\n{stats.RULE}\n\n"
                "Every run:\n")
     report.write_csv(results, comp.dir / "results.csv")
-    text = report.write_markdown(results, comp.dir / "results.md",
-                                 title=f"{arch_name(a.arch)} AMP comparison",
-                                 preamble=_preamble(comp, machine), notes=NOTES, summary=summary,
-                                 show_seed=summaries is not None)
+    write_json(comp.dir / "results.json", results, every, target, a.seeds)
+    report.write_markdown(results, comp.dir / "results.md",
+                          title=f"{arch_name(a.arch)} AMP comparison",
+                          preamble=_preamble(comp, machine, target),
+                          notes=[*NOTES, stats.time_rule(a.seeds)],
+                          summary=summary, show_seed=summaries is not None)
     if not plot:
-        return text
+        return target
     curves = {comp.under(Path(), r.seed) / r.variant: run_logs.accuracy_curve(
         run_logs.read_log(comp.run_dir(r.variant, r.seed) / "log.jsonl"))
         for r in results}
@@ -86,9 +124,9 @@ def write_results(comp: Comparison, results: List[VariantResult], plot: bool = T
     try:
         figure = plot_results(
             bars, comp.dir / "results.png", curves={str(k): v for k, v in curves.items()},
-            bands=bands, title=f"{arch_name(a.arch)}, {a.dataset}{subset_words(a.train_subset)} "
-                               f"{a.img_size}px, "
-                               f"{a.epochs} epochs, {machine}")
+            bands=bands, target=target.acc, target_label=target.how,
+            title=f"{arch_name(a.arch)}, {a.dataset}{subset_words(a.train_subset)} "
+                  f"{a.img_size}px, {a.epochs} epochs, {machine}")
     except Exception as e:
         print(f"compare.py: warning: results.png not written ({e})", file=sys.stderr)
     if a.tensorboard:
@@ -97,7 +135,7 @@ def write_results(comp: Comparison, results: List[VariantResult], plot: bool = T
         except Exception as e:
             print(f"compare.py: warning: TensorBoard curves not written ({e})",
                   file=sys.stderr)
-    return text
+    return target
 
 
 TB_ACCURACY = "compare/val_accuracy_by_train_ms"

@@ -18,9 +18,11 @@ def _colour(i: int) -> str:
 
 def _accuracy_panel(ax, results: Sequence[VariantResult],
                     curves: Dict[str, List[Tuple[int, float, float]]],
-                    bands: Dict[str, List[Tuple[int, float, float, float, float]]]) -> None:
+                    bands: Dict[str, List[Tuple[int, float, float, float, float]]],
+                    target: Optional[float], target_label: str) -> None:
     """Validation accuracy against cumulative training time, one line per variant; over
-    several seeds (``bands``) the mean line and the band from the lowest to the highest."""
+    several seeds (``bands``) the mean line and the band from the lowest to the highest;
+    the target accuracy as a horizontal line, with ``target_label`` written on it."""
     ends = [c[-1][1] for c in curves.values() if c] + [b[-1][1] for b in bands.values() if b]
     unit, div = ("min", 60.0) if max(ends, default=0.0) >= 300 else ("s", 1.0)
     for i, r in enumerate(results):
@@ -36,6 +38,11 @@ def _accuracy_panel(ax, results: Sequence[VariantResult],
         if band:
             ax.fill_between([t / div for _, t, _, _, _ in band], [lo for *_, lo, _ in band],
                             [hi for *_, hi in band], color=_colour(i), alpha=0.15, linewidth=0)
+    if target is not None:
+        ax.axhline(target, color="black", linestyle="-.", linewidth=1,
+                   label=f"target {target:.4f}")
+        ax.text(0.01, target, target_label or f"target {target:.4f}", va="bottom", fontsize=7,
+                transform=ax.get_yaxis_transform())
     ax.set_xlim(left=0)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel(f"cumulative training time ({unit}; training loops only, no validation)")
@@ -97,13 +104,16 @@ def _memory_panel(ax, results: Sequence[VariantResult]) -> List[Optional[float]]
 def plot_results(results: Sequence[VariantResult], path: Optional[Path] = None,
                  title: str = "",
                  curves: Optional[Dict[str, List[Tuple[int, float, float]]]] = None,
-                 bands: Optional[Dict[str, List[Tuple[int, float, float, float, float]]]] = None):
+                 bands: Optional[Dict[str, List[Tuple[int, float, float, float, float]]]] = None,
+                 target: Optional[float] = None, target_label: str = ""):
     """Three panels side by side, and the figure returned (a matplotlib ``Figure``
     outside pyplot: nothing to close); written to ``path`` as a PNG when given.
 
     1. validation accuracy against cumulative training time, from ``curves``
        (variant -> :func:`accuracy_curve` points), or over several seeds ``bands``
-       (variant -> ``stats.band`` points: the mean and the range over the seeds);
+       (variant -> ``stats.band`` points: the mean and the range over the seeds), and
+       ``target`` (the accuracy compare.py times the runs to) as a line labelled
+       ``target_label``;
     2. speed-up over ``train_without`` (:func:`speedups`);
     3. peak memory per device (``peak_mem_mb``, labelled GPU allocated or process RSS).
 
@@ -115,7 +125,7 @@ def plot_results(results: Sequence[VariantResult], path: Optional[Path] = None,
     curves = curves or {}
     fig = Figure(figsize=(17, 0.3 * len(results) + 5.2), layout="constrained")
     ax_acc, ax_speed, ax_mem = fig.subplots(1, 3, width_ratios=[1.35, 1, 1])
-    _accuracy_panel(ax_acc, results, curves, bands or {})
+    _accuracy_panel(ax_acc, results, curves, bands or {}, target, target_label)
     _speedup_panel(ax_speed, results)
     _memory_panel(ax_mem, results)
     names = [r.variant if r.status == OK else f"{r.variant} ({r.status})" for r in results]

@@ -52,6 +52,14 @@ class VariantResult:
     # where the peak is known.
     tflops: Optional[float] = None
     utilisation: Optional[float] = None
+    # Time to the comparison's target accuracy (target_acc): whether the run's validation
+    # accuracy reached it (None: the run did not finish, or there is no target), and the
+    # training-loop seconds, epochs and images until the first epoch that did.
+    target_acc: Optional[float] = None
+    reached_target: Optional[bool] = None
+    time_to_target_s: Optional[float] = None
+    epochs_to_target: Optional[int] = None
+    images_to_target: Optional[int] = None
 
 
 CSV_COLUMNS = [f.name for f in dataclasses.fields(VariantResult)]
@@ -81,10 +89,20 @@ def _acc(v: Optional[float]) -> str:
     return "-" if v is None else f"{v:.4f}"
 
 
+def to_target_text(r: VariantResult) -> str:
+    """``12.3s (epoch 2, 3840 images)``, ``not reached``, or ``-`` where not measured."""
+    if r.reached_target is None:
+        return "-"
+    if not r.reached_target:
+        return "not reached"
+    images = "" if r.images_to_target is None else f", {r.images_to_target} images"
+    return f"{format_seconds(r.time_to_target_s)} (epoch {r.epochs_to_target}{images})"
+
+
 MD_HEADER = ["variant", "parallel", "precision", "amp dtype", "devices", "epochs",
              "total wall time", "training time (no val)", "images/s (steady)",
              "peak memory (MB, per rank)", "TFLOP/s (of peak)", "best val acc", "test acc",
-             "status"]
+             "time to target", "status"]
 
 
 def markdown_rows(results: Sequence[VariantResult], show_seed: bool = False) -> List[List[str]]:
@@ -104,7 +122,7 @@ def markdown_rows(results: Sequence[VariantResult], show_seed: bool = False) -> 
                      f"{r.devices} {r.device}", "-" if r.epochs is None else str(r.epochs),
                      format_seconds(r.wall_time_s), format_seconds(r.train_time_s),
                      _num(r.images_per_s), mem, rate, _acc(r.best_val_acc), test,
-                     status.replace("|", "\\|")])
+                     to_target_text(r), status.replace("|", "\\|")])
     return rows
 
 
@@ -112,7 +130,7 @@ def markdown_table(results: Sequence[VariantResult], show_seed: bool = False) ->
     rows = markdown_rows(results, show_seed)
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(MD_HEADER)]
-    numeric = {4, 5, 6, 7, 8, 9, 10, 11, 12}
+    numeric = {4, 5, 6, 7, 8, 9, 10, 11, 12, 13}
 
     def line(cells):
         return "| " + " | ".join(c.rjust(w) if i in numeric else c.ljust(w)

@@ -1,7 +1,8 @@
 """What a run left behind, read back: its ``log.jsonl`` and its eval script's result line.
 
 - :func:`summarise_log` turns a run's ``log.jsonl`` into the table's numbers;
-  :func:`accuracy_curve` into (epoch, cumulative training time, val accuracy) points.
+  :func:`accuracy_curve` into (epoch, cumulative training time, val accuracy) points;
+  :func:`time_to_target` into the training time, epochs and images to a target accuracy.
 - :func:`parse_eval_output` reads ``correct/total = acc`` from an eval script.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import math
 import re
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -88,6 +90,31 @@ def accuracy_curve(rows: Sequence[Dict]) -> List[Tuple[int, float, float]]:
         if acc is not None:
             points.append((r["epoch"], total, acc))
     return points
+
+
+@dataclass
+class Reached:
+    """Where a run's validation accuracy first reached a target: at the end of ``epoch``,
+    after ``seconds`` of training loops and ``images`` trained on (all devices together;
+    None where an epoch's row has no images/s)."""
+    epoch: int
+    seconds: float
+    images: Optional[int]
+
+
+def time_to_target(rows: Sequence[Dict], target: float) -> Optional[Reached]:
+    """The first epoch whose ``val_acc`` is at least ``target``, with the training time of
+    :func:`accuracy_curve` (the loops alone) up to its end and the images trained on until
+    then (each epoch's ``images_per_s`` x ``train_time``: its images, all ranks); None where
+    the run never reached it in the epochs whose time is known."""
+    epochs = epoch_rows(rows)
+    for epoch, seconds, acc in accuracy_curve(rows):
+        if acc >= target:
+            rates = [_finite(r.get("images_per_s")) for r in epochs[:epoch]]
+            images = (round(sum(rate * r["train_time"] for rate, r in zip(rates, epochs)))
+                      if None not in rates else None)
+            return Reached(epoch, seconds, images)
+    return None
 
 
 def summarise_log(rows: Sequence[Dict]) -> Dict[str, Optional[float]]:

@@ -1,6 +1,6 @@
 """A variant's runs over several seeds, summarised: mean and spread of each figure, and
-whether its accuracy differs from the fp32 baseline of its parallel mode by more than the
-seeds do among themselves.
+whether its accuracy, and its time to a target accuracy, differ from the fp32 baseline of
+its parallel mode by more than the seeds do among themselves; the target itself.
 
 The rule (said under every table it decides): Welch's t-test on the runs' test
 accuracies, two-sided, at 5 %: p >= 0.05 is "within seed noise". Welch's test does not
@@ -29,6 +29,51 @@ RULE = ("Δ test acc: the variant's mean over its seeds minus the mean of the fp
         "the runs' test accuracies, two-sided, at 5 %: p ≥ 0.05 is within seed noise (the "
         "difference is no larger than the seeds make by themselves). Spreads are mean ± "
         "sample standard deviation (min–max) over the runs that finished.")
+TIME_RULE = ("Time to target: the training loops' time (`train_time` in log.jsonl, summed: no "
+             "validation, checkpoints or start-up), the epochs and the images trained on (each "
+             "epoch's images/s x its training time, all devices together) until the end of the "
+             "first epoch whose validation accuracy reaches the target.")
+SEEDS_TIME_RULE = ("Over seeds: mean ± sample standard deviation over the runs that reached "
+                   "it (k of n finished), its difference from the baseline's and Welch's "
+                   "verdict on the times, as for test accuracy.")
+
+
+def time_rule(seeds: int) -> str:
+    """What the time to target is, and over several seeds what its table says."""
+    return TIME_RULE + (" " + SEEDS_TIME_RULE if seeds > 1 else "")
+
+
+@dataclass
+class Target:
+    """The accuracy the runs' time is measured to, and how it was chosen (None: no target,
+    and ``how`` says why)."""
+    acc: Optional[float]
+    how: str
+
+    def sentence(self) -> str:
+        return self.how[0].upper() + self.how[1:]
+
+
+def choose_target(results: Sequence[VariantResult], given: Optional[float] = None) -> Target:
+    """``given`` (--target_acc), else the fp32 baseline's mean final test accuracy less its
+    seed spread (sample sd): train_without's, else the first of ``BASELINES`` to finish a
+    run; with one run, that run's accuracy itself."""
+    if given is not None:
+        return Target(given, f"target: {given:.4f} (--target_acc)")
+    done = [r for r in results if r.status == OK and r.test_acc is not None]
+    plain = [r.variant for r in done if r.variant in BASELINES.values()]
+    if not plain:
+        return Target(None, f"no target: no fp32 baseline ({', '.join(BASELINES.values())}) "
+                            "finished a run; --target_acc A sets one")
+    base = "train_without" if "train_without" in plain else plain[0]
+    accs = [r.test_acc for r in done if r.variant == base]
+    mean = statistics.fmean(accs)
+    if len(accs) == 1:
+        return Target(mean, f"target: {mean:.4f} = {base}'s final test accuracy (one run: "
+                            "no seed spread to subtract)")
+    sd = statistics.stdev(accs)
+    return Target(mean - sd, f"target: {mean - sd:.4f} = {base}'s mean final test accuracy "
+                             f"{mean:.4f} less its seed sd {sd:.4f} ({len(accs)} runs)")
 
 
 @dataclass
@@ -125,26 +170,46 @@ class SeedSummary:
     runs: List[VariantResult]
     figures: Dict[str, Optional[Spread]] = field(default_factory=dict)
     delta: Optional[Difference] = None
+    # Its runs' time to target against the baseline's, over the runs that reached it.
+    time_delta: Optional[Difference] = None
     baseline: str = ""
 
     @property
     def finished(self) -> List[VariantResult]:
         return [r for r in self.runs if r.status == OK]
 
-    def verdict(self) -> str:
+    @property
+    def measured(self) -> List[VariantResult]:
+        """The finished runs whose time to target was measured (there is a target)."""
+        return [r for r in self.finished if r.reached_target is not None]
+
+    def _verdict(self, delta: Optional[Difference], needs: str) -> str:
         if self.first.variant == self.baseline:
             return "(the baseline)"
         if not self.baseline:
             return f"no baseline: {BASELINES[self.first.parallel]} not compared"
-        if self.delta is None:
-            return "needs 2 finished runs on each side"
-        if self.delta.p is None:
+        if delta is None:
+            return needs
+        if delta.p is None:
             return "beyond seed noise (no spread among the seeds)"
-        return (("within seed noise" if self.delta.within_noise else "beyond seed noise")
-                + f" (p = {self.delta.p:.2f})")
+        return (("within seed noise" if delta.within_noise else "beyond seed noise")
+                + f" (p = {delta.p:.2f})")
+
+    def verdict(self) -> str:
+        return self._verdict(self.delta, "needs 2 finished runs on each side")
+
+    def time_verdict(self) -> str:
+        if not self.measured:
+            return "-"
+        return self._verdict(self.time_delta, "needs 2 runs that reached the target on each side")
+
+    def reached_text(self) -> str:
+        """``2 of 3 reached``: the runs that reached the target, of the finished ones."""
+        return f"{sum(bool(r.reached_target) for r in self.measured)} of {len(self.measured)} reached"
 
 
-FIGURES = ("wall_time_s", "images_per_s", "peak_mem_mb", "best_val_acc", "test_acc")
+FIGURES = ("wall_time_s", "images_per_s", "peak_mem_mb", "best_val_acc", "test_acc",
+           "time_to_target_s", "epochs_to_target", "images_to_target")
 
 
 def summarise_seeds(results: Sequence[VariantResult]) -> List[SeedSummary]:
@@ -165,15 +230,35 @@ def summarise_seeds(results: Sequence[VariantResult]) -> List[SeedSummary]:
         summaries.append(s)
     accs = {s.first.variant: [r.test_acc for r in s.finished if r.test_acc is not None]
             for s in summaries}
+    times = {s.first.variant: [r.time_to_target_s for r in s.finished if r.reached_target]
+             for s in summaries}
     for s in summaries:
         if s.baseline and s.first.variant != s.baseline:
             s.delta = welch(accs[s.first.variant], accs[s.baseline])
+            s.time_delta = welch(times[s.first.variant], times[s.baseline])
     return summaries
 
 
 SEED_HEADER = ["variant", "parallel", "precision", "runs", "total wall time", "images/s",
                "peak memory (MB)", "best val acc", "test acc", "Δ test acc vs baseline",
-               "verdict"]
+               "verdict", "time to target", "Δ time to target vs baseline", "time verdict"]
+# The columns of words, aligned left.
+_TEXT_COLUMNS = {0, 1, 2, 10, 13}
+
+
+def _signed_seconds(v: float) -> str:
+    return ("-" if v < 0 else "+") + format_seconds(abs(v))
+
+
+def _time_cells(s: SeedSummary) -> List[str]:
+    """The time to target over the runs that reached it, with how many did; its
+    difference from the baseline's; the verdict."""
+    reached = s.figures.get("time_to_target_s")
+    time = "-" if not s.measured else (
+        (reached.text(format_seconds) + ", " if reached else "") + s.reached_text())
+    delta = "-" if s.time_delta is None else \
+        f"{_signed_seconds(s.time_delta.diff)} ± {format_seconds(s.time_delta.se)}"
+    return [time, delta, s.time_verdict()]
 
 
 def _runs_cell(s: SeedSummary) -> str:
@@ -195,17 +280,34 @@ def seed_rows(summaries: Sequence[SeedSummary]) -> List[List[str]]:
                      cell("wall_time_s", format_seconds), cell("images_per_s", lambda v: f"{v:.3g}"),
                      cell("peak_mem_mb", lambda v: f"{v:.0f}"),
                      cell("best_val_acc", lambda v: f"{v:.4f}"),
-                     cell("test_acc", lambda v: f"{v:.4f}"), delta, s.verdict()])
+                     cell("test_acc", lambda v: f"{v:.4f}"), delta, s.verdict(),
+                     *_time_cells(s)])
     return rows
 
 
 def seed_table(summaries: Sequence[SeedSummary]) -> str:
     rows = seed_rows(summaries)
     lines = ["| " + " | ".join(SEED_HEADER) + " |",
-             "|" + "|".join("---" if i < 3 or i == len(SEED_HEADER) - 1 else "--:"
+             "|" + "|".join("---" if i in _TEXT_COLUMNS else "--:"
                             for i in range(len(SEED_HEADER))) + "|"]
     return "\n".join(lines + ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |"
                               for r in rows])
+
+
+def variant_figures(s: SeedSummary) -> Dict[str, object]:
+    """A variant's figures over its seeds as plain values (results.json): each of
+    ``FIGURES``' spread, the differences from its baseline and their verdicts."""
+    def plain(x):
+        return None if x is None else dataclasses.asdict(x)
+
+    return {"variant": s.first.variant, "parallel": s.first.parallel,
+            "precision": s.first.precision, "baseline": s.baseline or None,
+            "runs": len(s.runs), "finished": len(s.finished),
+            "reached_target": sum(bool(r.reached_target) for r in s.measured)
+            if s.measured else None,
+            **{k: plain(s.figures.get(k)) for k in FIGURES},
+            "test_acc_delta": plain(s.delta), "verdict": s.verdict(),
+            "time_to_target_delta": plain(s.time_delta), "time_verdict": s.time_verdict()}
 
 
 def mean_result(s: SeedSummary) -> VariantResult:
