@@ -95,7 +95,7 @@ def test_a_malformed_file_is_one_line_naming_it(tmp_path, case):
 
 
 @pytest.mark.parametrize("shape, words", [((0, 28, 28), "holds no images"),
-                                           ((40, 0, 28), "holds images of 0 x 28 pixels")])
+                                           ((40, 0, 28), "holds images of 0 x 28")])
 def test_an_empty_split_is_one_line(tmp_path, shape, words):
     """Both files of a split describe no pixels: one line, whichever split a script reads."""
     root = _bad(tmp_path, NAMES["test"][0], idx_bytes(images[:shape[0], :shape[1]]))
@@ -169,6 +169,14 @@ def test_train_then_eval_counts_the_whole_test_set_and_resume_keeps_the_subset(f
     other = run_main("train_without", *flags, "--train_subset", "30", "--epochs", "2",
                      "--resume")
     assert other.returncode == 2 and "--train_subset 20 (this run: 30)" in other.stderr, \
+        other.describe()
+    # A checkpoint from before the flag existed trained on the whole set.
+    last = tmp_path / "train_without" / "last.pth"
+    older = torch.load(last, weights_only=True)
+    del older["args"]["train_subset"]
+    torch.save(older, last)
+    other = run_main("train_without", *flags, "--epochs", "2", "--resume")
+    assert other.returncode == 2 and "--train_subset not given (this run: 20)" in other.stderr, \
         other.describe()
 
 

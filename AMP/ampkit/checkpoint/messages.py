@@ -47,14 +47,16 @@ def other_checkpoint(rank0: tuple, rank: int, theirs: tuple) -> str:
         + SHARED_FOLDER
 
 
-def mismatches(state: dict, args, world_size: int) -> List[str]:
-    """What differs between a checkpoint and the run about to continue it, in words."""
+def mismatches(state: dict, args, world_size: int, defaults: Dict[str, Any]) -> List[str]:
+    """What differs between a checkpoint and the run about to continue it, in words;
+    ``defaults``: the flags' (what an older checkpoint's run had of a flag it predates)."""
     trained, diffs, variant = state.get("args") or {}, [], args.variant
     if state.get("variant", variant) != variant:
         diffs.append(f"it is a {state['variant']} run, this is {variant}")
     for key in ("dataset", "img_size", "arch", "train_subset"):
-        if key in trained and trained[key] != getattr(args, key):
-            diffs.append(f"--{key} {trained[key]} (this run: {getattr(args, key)})")
+        then, now = trained.get(key, defaults.get(key)), getattr(args, key)
+        if trained and then != now:
+            diffs.append(f"--{key} {_given(then)} (this run: {_given(now)})")
     root = trained.get("dataset_root")
     if root and args.dataset != "FakeData" and \
             Path(root).resolve() != Path(args.dataset_root).resolve():
@@ -70,6 +72,10 @@ def mismatches(state: dict, args, world_size: int) -> List[str]:
         elif world != world_size and state.get("step", 0):
             diffs.append(f"{world} processes, stopped mid-epoch (this run: {world_size})")
     return diffs
+
+
+def _given(value: Any) -> str:
+    return "not given" if value is None else str(value)
 
 
 def changes(trained: Dict[str, Any], now: Dict[str, Any], lr: Optional[float],

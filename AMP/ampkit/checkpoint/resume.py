@@ -22,7 +22,7 @@ from torch import nn
 
 from ..distributed import DistInfo, gather_from_ranks, load_state, torchrun_attempt
 from ..errors import UserError
-from ..flags import DEFAULT_LR
+from ..flags import DEFAULT_LR, train_parser
 from ..randomness import restore_random_state
 from . import messages
 from .files import (BEST, LAST, RECORD, RESUMING, args_to_plain, load, load_weights,
@@ -118,7 +118,9 @@ def load_resume(path: Path, args, network: nn.Module, info: DistInfo,
     if "optimizer" not in state:
         raise UserError(f"{path}: holds weights only (no optimizer state); cannot resume "
                         f"from it (--init_from {path} starts a new run from its weights)")
-    diffs = messages.mismatches(state, args, info.world_size)
+    # A flag an older checkpoint does not record did not exist then: its run had the default.
+    defaults = vars(train_parser(args.variant).parse_args([]))
+    diffs = messages.mismatches(state, args, info.world_size, defaults)
     if diffs:
         raise UserError(f"--resume {path} does not fit this run: {'; '.join(diffs)}. Resume "
                         f"with the same settings, or start a new run from its weights with "

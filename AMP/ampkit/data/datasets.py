@@ -38,12 +38,9 @@ class CIFAR10(torchvision.datasets.CIFAR10):
     their 178 MB at every start), extracting the archive after :func:`extract_cifar_archive`'s
     checks (one md5 of the archive)."""
 
-    def _files(self):
-        names = [f for f, _ in self.train_list + self.test_list] + [self.meta["filename"]]
-        return [os.path.join(self.root, self.base_folder, n) for n in names]
-
     def _check_integrity(self) -> bool:
-        return all(os.path.isfile(p) for p in self._files())
+        names = [f for f, _ in self.train_list + self.test_list] + [self.meta["filename"]]
+        return all(os.path.isfile(os.path.join(self.root, self.base_folder, n)) for n in names)
 
     def _load_meta(self) -> None:
         path = os.path.join(self.root, self.base_folder, self.meta["filename"])
@@ -261,10 +258,8 @@ def load_fashion_mnist(root: Path, train: bool,
         raise UserError(f"{folder}: {image_file.name} holds {len(images)} images but "
                         f"{label_file.name} {len(labels)} labels")
     if not images.numel():
-        what = "no images" if not len(images) else "images of {} x {} pixels".format(
-            *images.shape[1:])
-        raise UserError(f"{image_file}: holds {what}: nothing to train or test on. Put "
-                        f"Fashion-MNIST's own files there, or: {FASHION_OFFLINE}")
+        what = f"images of {images.shape[1]} x {images.shape[2]}" if len(images) else "no images"
+        raise UserError(f"{image_file}: holds {what}: nothing to train or test on")
     bad = (labels >= FASHION_CLASSES).nonzero()
     if len(bad):
         raise UserError(f"{label_file}: label {int(labels[bad[0]])} of image {int(bad[0])} is "
@@ -276,19 +271,11 @@ class FashionMNIST(torchvision.datasets.FashionMNIST):
     """torchvision's FashionMNIST (PIL images, "L" mode) over what load_fashion_mnist checked."""
 
     def __init__(self, root: Path, train: bool, transform, download: bool) -> None:
-        self.checked = load_fashion_mnist(root, train, download)
-        super().__init__(str(root), train=train, transform=transform)
-
-    def _check_legacy_exist(self) -> bool:
-        # torchvision would load its old cache (processed/*.pt) in place of the checked files.
-        return False
-
-    def _check_exists(self) -> bool:
-        # load_fashion_mnist checked the files, in layouts torchvision's check does not know.
-        return True
-
-    def _load_data(self):
-        return self.checked
+        # Not torchvision's __init__: it reads its own layout, or a legacy cache
+        # (processed/*.pt) in place of the checked files where one lies there.
+        torchvision.datasets.VisionDataset.__init__(self, str(root), transform=transform)
+        self.train = train
+        self.data, self.targets = load_fashion_mnist(root, train, download)
 
 
 def check_root(root: Path) -> None:
@@ -386,8 +373,7 @@ def build_datasets(name: str, root: Path, img_size: int, download: bool,
     root = Path(root)
     train_tf = val_tf = build_transform(img_size, name)
     if name == "FashionMNIST":
-        train_set = (FashionMNIST(root, True, train_tf, download)
-                     if train else None)
+        train_set = FashionMNIST(root, True, train_tf, download) if train else None
         val_set = FashionMNIST(root, False, val_tf, download)
         return Datasets(train_set, val_set, NUM_CLASSES[name])
     if name == "CIFAR10":
@@ -406,8 +392,7 @@ def build_datasets(name: str, root: Path, img_size: int, download: bool,
             raise UserError(f"{root}: train/ and val/ have different class folders")
         return Datasets(train_set, val_set, len(val_set.classes))
     if name == "FakeData":
-        fake = torchvision.datasets.FakeData
-        size = (3, 32, 32)
+        fake, size = torchvision.datasets.FakeData, (3, 32, 32)
         train_set = fake(FAKE_TRAIN_SIZE, size, 10, train_tf, random_offset=0) if train else None
         val_set = fake(FAKE_VAL_SIZE, size, 10, val_tf, random_offset=FAKE_TRAIN_SIZE)
         return Datasets(train_set, val_set, NUM_CLASSES[name])
