@@ -1,5 +1,5 @@
 """Checkpoint writing off the training loop's path: snapshots into kept buffers, a background
-writer, the --save_every policy, atomic writes through a spare file, one space check."""
+writer, the --save_every policy, atomic writes through a new file, one space check."""
 from __future__ import annotations
 
 import threading
@@ -13,35 +13,57 @@ from conftest import quick_flags
 from ampkit.checkpoint import writer as checkpoint_writer
 
 
-def test_atomic_save_with_spare_rotates_and_rewrites_in_place(tmp_path):
-    path, spare = tmp_path / "last.pth", tmp_path / ".last.pth.spare"
-    for epoch in (1, 2, 3, 4):
-        checkpoint_writer.atomic_save({"epoch": epoch, "w": torch.full((1000,), float(epoch))}, path,
-                            spare=True)
-        assert torch.load(path, weights_only=True)["epoch"] == epoch
-        if epoch >= 2:  # the version before the current one is kept to be rewritten
-            assert torch.load(spare, weights_only=True)["epoch"] == epoch - 1
-    inode = spare.stat().st_ino
-    checkpoint_writer.atomic_save({"epoch": 5, "w": torch.zeros(10)}, path, spare=True)  # shorter
-    assert path.stat().st_ino == inode, "the spare's file was rewritten in place and swapped in"
-    assert torch.load(path, weights_only=True)["epoch"] == 5
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".last.pth.spare", "last.pth"]
-    checkpoint_writer.remove_spares(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pth"]
+def test_a_reader_keeps_the_bytes_it_opened_as_saves_go_on(tmp_path):
+    """Each save is a new file renamed over last.pth: a reader that opened the previous one
+    (an evaluation while training goes on, a copy) reads it whole, unchanged, through any
+    number of later saves; no file is left beside last.pth."""
+    path = tmp_path / "last.pth"
+    checkpoint_writer.atomic_save({"epoch": 1, "w": torch.full((1000,), 1.0)}, path)
+    with open(path, "rb") as reader:
+        for epoch in (2, 3, 4):
+            checkpoint_writer.atomic_save({"epoch": epoch, "w": torch.full((10,), 2.0)}, path)
+        assert torch.load(reader, weights_only=True)["epoch"] == 1
+    assert torch.load(path, weights_only=True)["epoch"] == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pth"]
+
+
+def test_a_save_never_writes_through_a_link_planted_at_its_temporary_name(tmp_path,
+                                                                          monkeypatch):
+    """In a folder others may write to, a symbolic link planted at the name a save's
+    temporary file takes would have the save write into the link's target, and last.pth
+    become that link: the temporary file is created anew (O_EXCL, O_NOFOLLOW), at another
+    name when one is taken, and the link and its target are left as they were."""
+    import os
+
+    names = iter(["planted", "fresh", "planted", "fresh2"])
+    monkeypatch.setattr(checkpoint_writer.secrets, "token_hex", lambda n: next(names))
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"someone else's file")
+    path = tmp_path / "last.pth"
+    planted = tmp_path / f".last.pth.{os.getpid()}.planted.tmp"
+    planted.symlink_to(target)
+    checkpoint_writer.atomic_save({"epoch": 1}, path)
+    assert target.read_bytes() == b"someone else's file"
+    assert not path.is_symlink() and torch.load(path, weights_only=True) == {"epoch": 1}
+    assert planted.is_symlink() and os.readlink(planted) == str(target)
+    # The hard link best.pth takes is made at such a name too: a taken one is passed over.
+    checkpoint_writer.link_or_write(checkpoint_writer.Link(path, tmp_path / "best.pth", {}))
+    assert (tmp_path / "best.pth").stat().st_ino == path.stat().st_ino
+    assert target.read_bytes() == b"someone else's file"
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)])
 def test_checkpoints_follow_the_umask(umask, mode, tmp_path):
     """A checkpoint's mode is what ``open()`` would give it under the umask (a teammate's
-    group can read a shared folder's last.pth), for a new file and for a rewritten spare."""
+    group can read a shared folder's last.pth)."""
     import os
     import stat
 
     before = os.umask(umask)
     try:
         path = tmp_path / "last.pth"
-        for step in range(3):  # a new file, then the spare made and rewritten
-            checkpoint_writer.atomic_save({"step": torch.tensor(step)}, path, spare=True)
+        for step in range(2):  # a new file, then one replacing it
+            checkpoint_writer.atomic_save({"step": torch.tensor(step)}, path)
             assert stat.S_IMODE(path.stat().st_mode) == mode, (step, oct(path.stat().st_mode))
     finally:
         os.umask(before)
@@ -68,10 +90,8 @@ def test_background_writer_reports_an_error_at_the_next_wait(tmp_path):
     writer.wait()  # reported once
 
 
-def test_a_save_that_does_not_fit_fails_at_submit_counting_the_spare_it_rewrites(tmp_path,
-                                                                                monkeypatch):
-    """One space check, in the caller's thread before any write: a spare counts as free space,
-    since the save rewrites it in place, unless best.pth names its file."""
+def test_a_save_that_does_not_fit_fails_at_submit(tmp_path, monkeypatch):
+    """One space check, in the caller's thread before any write."""
     path, state = tmp_path / "last.pth", {"w": torch.zeros(2**18)}  # 1 MB of tensors, + 1 MB
     usage = checkpoint_writer.shutil.disk_usage(tmp_path)
     monkeypatch.setattr(checkpoint_writer.shutil, "disk_usage",
@@ -80,12 +100,8 @@ def test_a_save_that_does_not_fit_fails_at_submit_counting_the_spare_it_rewrites
     with pytest.raises(checkpoint_writer.DiskFull, match="needs 2 MB .* has 1 MB free"):
         writer.submit([(state, path)])
     assert not writer.busy and list(tmp_path.iterdir()) == [], "nothing started, nothing written"
-    spare = tmp_path / ".last.pth.spare"
-    spare.write_bytes(bytes(2**20))  # the version before: 1 MB
-    (tmp_path / "best.pth").hardlink_to(spare)  # best.pth's file: set aside, not rewritten
-    with pytest.raises(checkpoint_writer.DiskFull, match="has 1 MB free"):
-        writer.submit([(state, path)])
-    (tmp_path / "best.pth").unlink()  # the spare is the save's own again
+    monkeypatch.setattr(checkpoint_writer.shutil, "disk_usage",
+                        lambda p: usage._replace(free=2**21))
     writer.submit([(state, path)])
     writer.wait()
     assert torch.equal(torch.load(path, weights_only=True)["w"], state["w"])
@@ -107,9 +123,9 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
     writes = []
     original = checkpoint_writer.atomic_save
 
-    def recording(obj, path, spare=False):
+    def recording(obj, path):
         writes.append((path.name, obj["epoch"], threading.current_thread().name))
-        original(obj, path, spare)
+        original(obj, path)
 
     accuracies = iter([0.5, 0.4, 0.6])
     real_count = train_without.count_correct
@@ -129,12 +145,11 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
     run_dir = tmp_path / "train_without"
     assert torch.load(run_dir / "best.pth", weights_only=True)["val_acc"] == pytest.approx(0.6)
     assert (run_dir / "best.pth").stat().st_ino == (run_dir / "last.pth").stat().st_ino
-    assert [p.name for p in run_dir.glob(".*")] == [".lock"], "no spare or temporary file left"
+    assert [p.name for p in run_dir.glob(".*")] == [".lock"], "no temporary file left"
 
 
 def test_best_is_a_second_name_that_the_next_saves_leave_alone(tmp_path):
-    """best.pth names epoch 1's last.pth; the saves of epochs 2 and 3 (whose spare-file
-    rotation rewrites the version before the current one in place) leave it whole."""
+    """best.pth names epoch 1's last.pth; the saves of epochs 2 and 3 leave it whole."""
     last, best = tmp_path / "last.pth", tmp_path / "best.pth"
     writer = checkpoint_writer.BackgroundWriter()
     for epoch in (1, 2, 3):
@@ -254,10 +269,9 @@ def test_an_entry_that_cannot_be_loaded_safely_is_refused_as_the_run_starts(
         make({"model": network}, DistInfo(torch.device("cpu"), rank=0, world_size=2))
 
 
-def test_without_hard_links_best_is_written_and_last_keeps_no_spare(tmp_path, monkeypatch):
+def test_without_hard_links_best_is_written(tmp_path, monkeypatch):
     """A file system without hard links (some network and FAT mounts): best.pth is written
-    from its fallback, and last.pth is replaced without a spare (its current file cannot take
-    a second name), leaving no temporary file behind."""
+    from its fallback, leaving no temporary file behind."""
     import errno
     import os
 

@@ -218,29 +218,49 @@ def test_every_rank_must_load_what_rank_0_loads(tmp_path):
                 None)] * 2)
 
 
-def test_the_identity_is_the_zip_directory_however_many_records(tmp_path):
-    """Past ~1,100 records a fixed tail of the file no longer holds the first records'
-    entries (data.pkl's among them): the identity hashes the zip's whole central directory,
-    found from its end record -- every record's CRC-32, and nothing else of the file."""
+def test_the_identity_covers_every_byte_loaded_and_a_damaged_one_is_refused(tmp_path):
+    """torch.load checks no CRC: a byte flipped in a record (a bad copy, a bad disk) would
+    load as other weights. Every record's bytes are checked against its CRC-32 first (past
+    ~1,100 records too, where the zip's directory outgrows a fixed tail of the file), and
+    the identity the ranks compare is of those checked CRCs. A file written without CRCs
+    (``set_crc32_options(False)``: each 0) is hashed whole: two saves of the same shapes
+    differ, and it still loads."""
     import struct
+    import zipfile
+
+    from ampkit.checkpoint.files import Damaged, load
+    from ampkit.errors import UserError
 
     path = tmp_path / "a.pth"
-    torch.save({f"w{i}": torch.zeros(1) for i in range(1500)}, path)
+    torch.save({"model": {f"w{i}": torch.full((4,), float(i)) for i in range(1500)}}, path)
     data = path.read_bytes()
     end = data.rfind(b"PK\x05\x06")
     directory_at = struct.unpack_from("<L", data, end + 16)[0]
     assert len(data) - directory_at > 2**16 and data[directory_at:directory_at + 4] == b"PK\x01\x02"
-
-    def with_byte_changed(at: int) -> tuple:
+    copy = tmp_path / "copy.pth"
+    copy.write_bytes(data)
+    assert _identity(copy) == _identity(path)
+    record = next(r for r in zipfile.ZipFile(path).infolist() if r.filename.endswith("/data/7"))
+    name_length, extra_length = struct.unpack_from("<HH", data, record.header_offset + 26)
+    weight_at = record.header_offset + 30 + name_length + extra_length
+    for at in (weight_at, directory_at + 16):  # a weight's byte; the first record's CRC-32
         changed = bytearray(data)
-        changed[at] ^= 0xFF
-        other = tmp_path / f"changed_{at}.pth"
-        other.write_bytes(bytes(changed))
-        return _identity(other)
+        changed[at] ^= 0x01
+        copy.write_bytes(bytes(changed))
+        with pytest.raises(Damaged):
+            _identity(copy)
+        with pytest.raises(UserError, match=f"^{copy}: corrupt: .*CRC-32"):
+            load(copy)
 
-    mine = _identity(path)
-    assert with_byte_changed(directory_at + 16) != mine  # the first record's CRC-32
-    assert with_byte_changed(directory_at // 2) == mine  # a record's bytes: its CRC stands
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        for value in (1.0, 2.0):
+            torch.save({"model": {"w": torch.full((4,), value)}}, tmp_path / f"{value}.pth")
+    finally:
+        torch.serialization.set_crc32_options(before)
+    assert _identity(tmp_path / "1.0.pth") != _identity(tmp_path / "2.0.pth")
+    assert torch.equal(load(tmp_path / "2.0.pth")["model"]["w"], torch.full((4,), 2.0))
 
 
 @pytest.mark.parametrize("group", [False, True])

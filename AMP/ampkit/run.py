@@ -32,7 +32,7 @@ from typing import Any, Callable, ContextManager, Dict, Optional
 import torch
 
 from .checkpoint.files import LAST
-from .checkpoint.writer import remove_spares
+from .checkpoint.writer import remove_temporaries
 from .distributed import Ballots, barrier, this_process
 from .errors import UserError
 from .stop import StopVote, exit_status, stopped_line, voting
@@ -58,7 +58,7 @@ def claim_run_dir(path: Path) -> "RunLock":
     and rid of the temporary files a killed save left (no live run owns them now)."""
     prepare_run_dir(path)
     lock = RunLock(path)
-    remove_spares(path, temps=True)
+    remove_temporaries(path)
     return lock
 
 

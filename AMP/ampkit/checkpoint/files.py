@@ -14,6 +14,7 @@ import os
 import re
 import warnings
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, Dict, Mapping, Optional, Tuple
 
@@ -117,7 +118,7 @@ def load(path: Path, map_location: Any = "cpu") -> Dict[str, Any]:
 
 def load_with_identity(path: Path, map_location: Any = "cpu"
                        ) -> Tuple[Dict[str, Any], Tuple[int, str]]:
-    """:func:`load`, and the :func:`identity` of the very bytes it read."""
+    """:func:`load`, and the :func:`identity` of the very bytes it read, checked first."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such checkpoint file")
@@ -131,6 +132,9 @@ def load_with_identity(path: Path, map_location: Any = "cpu"
                 obj = torch.load(f, map_location=map_location, weights_only=True)
     except OSError as e:
         raise UserError(f"{path}: cannot read it ({e.strerror or first_line(e)})") from None
+    except Damaged as e:
+        raise UserError(f"{path}: corrupt: {e}; nothing was loaded from it (use another copy, "
+                        "or an earlier checkpoint)") from None
     # Whatever the unpickler raises on bytes that are not a checkpoint.
     except Exception as e:
         raise UserError(f"{path}: {load_failure(e)}") from None
@@ -145,17 +149,42 @@ def load_with_identity(path: Path, map_location: Any = "cpu"
     return ckpt, ident
 
 
+class Damaged(Exception):
+    """A checkpoint's bytes are not those it was written with."""
+
+
+CHUNK = 1 << 24
+
+
 def identity(f: BinaryIO) -> Tuple[int, str]:
-    """The file's size and a hash of its zip directory: every record's name, size and CRC-32
-    (the serialization id torch.save writes anew each time among them). A copy is the same
-    file, another save is not; read without reading the weights. Not a zip: all of it."""
-    size, digest = f.seek(0, os.SEEK_END), hashlib.sha256()
+    """The file's size and a hash of what it holds, each record's bytes checked on the way.
+    torch.load never checks a zip record's CRC-32, so a flipped byte would load as other
+    weights: here zipfile reads every record and checks it (a :class:`Damaged` names the
+    first that fails), and the hash is of each record's name, size and CRC-32, now known to
+    be its bytes'. A file written without CRCs (``set_crc32_options(False)``: each is 0)
+    has nothing to check against, and is hashed whole, as is a file that is not a zip."""
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
     try:
-        for record in zipfile.ZipFile(f).infolist():
-            digest.update(f"{record.filename} {record.file_size} {record.CRC}\n".encode())
+        archive = zipfile.ZipFile(f)
     except zipfile.BadZipFile:
+        archive = None
+    records = archive.infolist() if archive else []
+    try:
+        for record in (r for r in records if r.CRC):
+            with archive.open(record) as data:
+                while data.read(CHUNK):
+                    pass
+    except (zipfile.BadZipFile, EOFError, NotImplementedError, zlib.error) as e:
+        raise Damaged(first_line(e)) from None
+    digest = hashlib.sha256()
+    if records and all(r.CRC for r in records):
+        for record in records:
+            digest.update(f"{record.filename} {record.file_size} {record.CRC}\n".encode())
+    else:
         f.seek(0)
-        digest = hashlib.file_digest(f, "sha256")
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            digest.update(chunk)
     return size, digest.hexdigest()
 
 

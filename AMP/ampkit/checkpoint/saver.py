@@ -25,7 +25,7 @@ from ..distributed import DistInfo, any_rank, gather_from_ranks, rank_random_sta
 from ..errors import Interrupted, UserError
 from .files import BEST, LAST, Record, args_to_plain, refusal, strip_prefixes, weights_of
 from .messages import abandoned, saved
-from .writer import BackgroundWriter, Link, Snapshot, remove_spares
+from .writer import BackgroundWriter, Link, Snapshot, remove_temporaries
 
 
 class Saver:
@@ -97,10 +97,8 @@ class Saver:
         self._save(epoch, step, val_acc, so_far, due=True, is_best=False, wait=True)
 
     def finish(self) -> None:
-        """After the last epoch: the last save written; no spare file left."""
+        """After the last epoch: the last save written."""
         self.writer.wait()
-        if self.info.is_main:
-            remove_spares(self.run_dir)
 
     def _save(self, epoch: int, step: int, val_acc: Optional[float], so_far, *, due: bool,
               is_best: bool, wait: bool = False) -> Dict[str, float]:
@@ -155,12 +153,12 @@ class Saver:
     def _abandon(self) -> tuple:
         """A second Ctrl-C: (what was saved and not, in words; whether a write was cut short).
         A write in flight cannot be stopped, and Python must not finalize while torch.save
-        runs in its thread (the C++ runtime aborts): its temporary and spare files are
+        runs in its thread (the C++ runtime aborts): its temporary files are
         removed now, and the caller ends the process at once."""
         if not self.info.is_main:
             return "", False
         busy = self.writer.busy
         if busy:
-            remove_spares(self.run_dir, temps=True)
+            remove_temporaries(self.run_dir)
         return abandoned(self.run_dir / LAST, self.writer.landed,
                          saved(*self.last_saved) if busy else None), busy

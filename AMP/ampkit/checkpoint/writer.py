@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 import torch
 
@@ -20,34 +21,18 @@ from ..errors import UserError, first_line
 from .messages import DiskFull
 
 
-def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
-    """Write ``obj`` to ``path`` through a temporary file, fsync'ed, then renamed over it: a
-    kill at any instant leaves the previous file or the new one. ``spare``: the temporary
-    file is ``.<name>.spare``, the version before the current one, rewritten in place (which
-    costs the kernel less than new pages: docs/results.md), and the current one becomes it."""
+def atomic_save(obj: Any, path: Path) -> None:
+    """Write ``obj`` to ``path`` through a new temporary file, fsync'ed, then renamed over it:
+    a kill at any instant leaves the previous file or the new one, and a reader that holds
+    the previous one open (an evaluation, a copy) keeps reading the bytes it opened."""
     path = Path(path)
-    spare_path = _spare(path)
-    # A spare that is best.pth's file too (a hard link) must not be rewritten.
-    if spare and spare_path.is_file() and spare_path.stat().st_nlink > 1:
-        spare_path.unlink()
-    # open() makes a file as torch.save to a path would (its mode from the umask: a team's
-    # folder may grant its group); one writer a process, so the process id names it alone.
-    tmp = spare_path if spare and spare_path.is_file() else \
-        path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    f = open(tmp, "r+b" if tmp == spare_path else "wb")
+    f, tmp = new_temporary(path)
     try:
         with f:
             torch.save(obj, f)
-            # A spare may be longer than this checkpoint.
-            f.truncate()
             f.flush()
             os.fsync(f.fileno())
-        # The current file's second name becomes the spare (none without hard links).
-        keep = path.with_name(f".{path.name}.{os.getpid()}.keep.tmp")
-        kept = spare and path.is_file() and _linked(path, keep)
         os.replace(tmp, path)
-        if kept:
-            os.replace(keep, spare_path)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -63,8 +48,24 @@ def atomic_save(obj: Any, path: Path, spare: bool = False) -> None:
     _fsync_folder(path.parent)
 
 
-def _spare(path: Path) -> Path:
-    return path.with_name(f".{path.name}.spare")
+def new_temporary(path: Path) -> Tuple[BinaryIO, Path]:
+    """A file beside ``path`` that this call creates, open for writing: never one that
+    exists, nor through a symbolic link planted at its name (``O_EXCL``, ``O_NOFOLLOW``: a
+    team's folder may let others write). Its mode is the umask's, as torch.save to a path
+    would make it (that team's folder may grant its group)."""
+    while True:
+        tmp = _temporary_name(path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            continue
+        return os.fdopen(fd, "wb"), tmp
+
+
+def _temporary_name(path: Path) -> Path:
+    # Unguessable: a name taken by someone else is passed over, never used.
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -95,15 +96,6 @@ def _free(folder: Path) -> Optional[int]:
         return None
 
 
-def _linked(source: Path, name: Path) -> bool:
-    """Whether ``name`` could be made a second name for ``source``'s file (a hard link)."""
-    try:
-        os.link(source, name)
-        return True
-    except OSError:
-        return False
-
-
 @dataclass
 class Link:
     """``target`` made a second name for ``source``'s file, or where the file system has no
@@ -114,17 +106,24 @@ class Link:
 
 
 def link_or_write(link: Link) -> None:
-    tmp = link.target.with_name(f".{link.target.name}.{os.getpid()}.link.tmp")
-    if not _linked(link.source, tmp):
-        return atomic_save(link.fallback, link.target, spare=True)
+    while True:
+        tmp = _temporary_name(link.target)
+        try:
+            os.link(link.source, tmp)
+            break
+        except FileExistsError:
+            continue
+        # No hard links on this file system.
+        except OSError:
+            return atomic_save(link.fallback, link.target)
     os.replace(tmp, link.target)
     _fsync_folder(link.target.parent)
 
 
-def remove_spares(folder: Path, temps: bool = False) -> None:
-    """Delete the spares kept between saves; with ``temps``, a killed save's files too."""
-    for left in [*Path(folder).glob(".*.pth.spare"),
-                 *(Path(folder).glob(".*.pth.*.tmp") if temps else [])]:
+def remove_temporaries(folder: Path) -> None:
+    """Delete the files a save cut short left behind (and the spare files earlier versions
+    kept between saves)."""
+    for left in [*Path(folder).glob(".*.pth.*.tmp"), *Path(folder).glob(".*.pth.spare")]:
         with contextlib.suppress(OSError):
             left.unlink()
 
@@ -178,12 +177,11 @@ class BackgroundWriter:
     def submit(self, files: List[Any], label: str = "") -> None:
         """Write ``files`` (``(snapshot, path)`` or a :class:`Link`) in this order, once the
         previous save is done; ``label``: what the first holds. A save that cannot fit on its
-        disk fails here, at once (a spare is rewritten in place: its size counts as free)."""
+        disk fails here, at once."""
         self.wait()
         for obj, path in (f for f in files if not isinstance(f, Link)):
-            spare, needed, free = _spare(path), _nbytes(obj), _free(path.parent)
-            reused = spare.stat().st_size if spare.is_file() and spare.stat().st_nlink == 1 else 0
-            if free is not None and free + reused < needed:
+            needed, free = _nbytes(obj), _free(path.parent)
+            if free is not None and free < needed:
                 raise DiskFull(path, needed, free)
         self._done.clear()
         self._thread = threading.Thread(target=self._write, args=(files, label),
@@ -214,7 +212,7 @@ class BackgroundWriter:
                 if isinstance(item, Link):
                     link_or_write(item)
                 else:
-                    atomic_save(*item, spare=True)
+                    atomic_save(*item)
                 if i == 0:
                     self.landed = label
         # Raised in the training thread, by the next wait().
