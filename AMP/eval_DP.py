@@ -28,7 +28,7 @@ def main(argv=None):
                     img_size=args.img_size, batch_size=args.batch_size, loader=args.loader,
                     num_workers=args.num_workers, channels_last=args.channels_last,
                     skip_bad=args.skip_bad_images, autocast=args.autocast,
-                    amp_dtype=args.amp_dtype)
+                    amp_dtype=args.amp_dtype, data_parallel=True)
     # All visible GPUs, each batch split between them: the weights are loaded first, then
     # the model is wrapped (the article loaded a "module."-prefixed state at every batch).
     # DataParallel is CUDA's: on another device it would still move the model to a GPU the

@@ -70,7 +70,8 @@ def build(network, criterion, *, device, lr, amp_dtype, clip_grad, dp_scope):
 def main(argv=None):
     args = parse_train_args("train_DP_GradScaler", argv, __doc__)
     device = choose_device(args.device)
-    amp_dtype = resolve_amp_dtype(args.amp_dtype, device)
+    # DataParallel replicates over every visible GPU: each must compute in the dtype.
+    amp_dtype = resolve_amp_dtype(args.amp_dtype, device, data_parallel=True)
     # One line for DataParallel off CUDA, or a scaler without the device's kernels.
     refuse_unsupported(device, data_parallel=True, loss_scaling=True)
     fp32_math = set_cuda_math(args.tf32, device)

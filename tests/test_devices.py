@@ -253,6 +253,26 @@ def test_each_rank_asks_its_own_gpu_for_bfloat16(kind, monkeypatch):
     assert resolve_amp_dtype(None, process_device(kind, 0)) is torch.float16
 
 
+@pytest.mark.parametrize("script", ["train_DP_autocast", "train_DP_GradScaler", "eval_DP"])
+def test_data_parallel_asks_every_gpu_it_replicates_to_for_bfloat16(script, monkeypatch,
+                                                                    tmp_path):
+    """DataParallel replicates over every visible GPU: on a node whose current GPU, device 0,
+    is an A100 and whose device 1 is a V100, bfloat16 is one line naming the V100, not
+    accepted on device 0's word and then emulated on the V100."""
+    import importlib
+
+    # Imported on this machine: torch's first import of dynamo reads the real one.
+    importlib.import_module(script)
+    monkeypatch.setitem(MIXED_NODE, "cuda", MIXED_NODE["cuda"][::-1])
+    pretend_mixed_node(monkeypatch, "cuda")
+    flags = ["--amp_dtype", "bfloat16", "--dataset", "FakeData", "--checkpoint", tmp_path]
+    run = run_main(script, *flags, *(["--autocast"] if script.startswith("eval") else []))
+    assert run.returncode == 2, run.describe()
+    assert run.stderr.strip().endswith("--amp_dtype bfloat16: Tesla V100-SXM2-16GB does not "
+                                       "support bfloat16 (use --amp_dtype float16)"), run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("answer, peak", [(0, None), (3 * 2**20, 3.0)])
 def test_a_device_without_allocator_statistics_has_no_peak(answer, peak, monkeypatch):
     """``torch.accelerator.max_memory_allocated`` answers 0 where the allocator keeps no

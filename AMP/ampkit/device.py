@@ -188,20 +188,26 @@ def memory_kind(device: torch.device, reset: bool = True) -> str:
 
 
 # ---- what the device computes in
-def resolve_amp_dtype(name: Optional[str], device: torch.device) -> torch.dtype:
+def resolve_amp_dtype(name: Optional[str], device: torch.device, *,
+                      data_parallel: bool = False) -> torch.dtype:
     """``--amp_dtype``, or the device's default: float16 on an accelerator (its fast low
     precision: CUDA's and ROCm's tensor cores, XPU's, MPS's), bfloat16 on the CPU (where
     CPU autocast supports float16 only for some operators). A dtype the device cannot
-    compute in is one line."""
+    compute in is one line. ``data_parallel``: the run replicates over every visible GPU
+    (DataParallel on CUDA), and each must compute in it."""
     if name is None:
         name = "bfloat16" if device.type == "cpu" else "float16"
     dtype = getattr(torch, name)
-    if dtype is torch.bfloat16 and not _bf16_supported(device):
-        module = torch.get_device_module(device.type)
-        what = (module.get_device_name(_index(device)) if hasattr(module, "get_device_name")
-                else f"this {device.type} device")
-        raise UserError(f"--amp_dtype bfloat16: {what} does not support bfloat16 (use "
-                        "--amp_dtype float16)")
+    replicas = [device]
+    if data_parallel and device.type == "cuda":
+        replicas = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    for replica in replicas:
+        if dtype is torch.bfloat16 and not _bf16_supported(replica):
+            module = torch.get_device_module(replica.type)
+            what = (module.get_device_name(_index(replica))
+                    if hasattr(module, "get_device_name") else f"this {replica.type} device")
+            raise UserError(f"--amp_dtype bfloat16: {what} does not support bfloat16 (use "
+                            "--amp_dtype float16)")
     return dtype
 
 

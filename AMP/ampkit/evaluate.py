@@ -37,11 +37,14 @@ class Evaluation:
                  dataset_root: Optional[Path] = None, img_size: Optional[int] = None,
                  batch_size: int = 64, loader: str = "auto", num_workers: Optional[int] = None,
                  channels_last: bool = False, skip_bad: bool = False, autocast: bool = False,
-                 amp_dtype: Optional[str] = None) -> None:
+                 amp_dtype: Optional[str] = None, data_parallel: bool = False) -> None:
         """``checkpoint``: a file, or a folder whose newest last.pth is evaluated; ``arch``,
         ``dataset``, ``dataset_root``, ``img_size``: None for the checkpoint's own;
-        ``autocast``: evaluate under autocast in ``amp_dtype`` (None: the device's default)."""
+        ``autocast``: evaluate under autocast in ``amp_dtype`` (None: the device's default),
+        on every GPU DataParallel replicates to with ``data_parallel``."""
         self.name, self.info = name, this_process(device)
+        self.amp_dtype = (resolve_amp_dtype(amp_dtype, device, data_parallel=data_parallel)
+                          if autocast else None)
         self.path = checkpoint_files.resolve(checkpoint)
         # Onto the CPU: the weights reach the device with the model they are loaded into.
         state = checkpoint_files.load(self.path, map_location="cpu")
@@ -62,7 +65,6 @@ class Evaluation:
                                  channels_last=channels_last, train=False, skip_bad=skip_bad)
         self.data = data
         self.loader, self.test_size = data.val, data.val_size
-        self.amp_dtype = resolve_amp_dtype(amp_dtype, device) if autocast else None
         model = build_model(self.arch, data.num_classes)
         checkpoint_files.load_weights(model, state, self.path)
         del state
