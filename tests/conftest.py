@@ -63,6 +63,14 @@ if str(AMP_DIR) not in sys.path:
 def pytest_configure(config):
     signal.signal(signal.SIGTERM, kill_live_jobs_then_die)
 
+
+def pytest_sessionfinish(session, exitstatus):
+    """``FUZZ_TALLY=PATH``: what the fuzz tests' examples did, written there (checks/fuzz.sh)."""
+    import os
+
+    if os.environ.get("FUZZ_TALLY") and "helpers.fuzz" in sys.modules:
+        sys.modules["helpers.fuzz"].write_tally(Path(os.environ["FUZZ_TALLY"]))
+
 # The network of the tests that are about the machinery (resuming, signals, restarts, DDP,
 # compare), not about AlexNet: small (0.34M parameters, with BatchNorm), and quick in
 # bfloat16 even on a CPU without native bfloat16, where AlexNet's autocast steps are ~40x
