@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import UserError, first_line
 from .messages import load_failure
+from .validate import record_fault
 
 LAST, BEST = "last.pth", "best.pth"
 
@@ -145,6 +146,12 @@ def load_with_identity(path: Path, map_location: Any = "cpu"
     else:
         raise UserError(f"{path}: not a checkpoint (expected a dict with model weights, "
                         f"found {type(obj).__name__})")
+    fault = record_fault(ckpt) or next((f"its weights hold {key!r}, not a tensor" for key, value
+                                        in ckpt["model"].items()
+                                        if not (isinstance(key, str)
+                                                and isinstance(value, torch.Tensor))), "")
+    if fault:
+        raise UserError(f"{path}: not a checkpoint a run of this project writes: {fault}")
     ckpt["model"] = strip_prefixes(ckpt["model"])
     return ckpt, ident
 

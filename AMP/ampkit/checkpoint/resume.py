@@ -27,6 +27,7 @@ from ..randomness import restore_random_state
 from . import messages
 from .files import (BEST, LAST, RECORD, RESUMING, args_to_plain, load, load_weights,
                     load_with_identity, resolve, weights_of)
+from .validate import misfit, optimizer_misfit
 from .writer import Link, atomic_save, link_or_write
 
 
@@ -115,6 +116,9 @@ def load_resume(path: Path, args, network: nn.Module, info: DistInfo,
     this rank's random streams (dropout's, per GPU too) set to go on where the stopped run
     was. Where ``path`` is ``run_dir``'s last.pth, rank 0 repairs its best.pth."""
     state, identity = load_with_identity(path)
+    if "epoch" not in state:
+        raise UserError(f"{path}: holds no epoch: not a checkpoint of a run (--init_from {path} "
+                        "starts a new run from its weights)")
     if "optimizer" not in state:
         raise UserError(f"{path}: holds weights only (no optimizer state); cannot resume "
                         f"from it (--init_from {path} starts a new run from its weights)")
@@ -179,6 +183,11 @@ def restore(resumed: Resumed, state: Mapping[str, Any], log, *, args) -> None:
             notes.append(f"the checkpoint's {name!r} is not restored: this run has none"
                          if target is None else f"{name} starts anew: the checkpoint holds none")
             continue
+        why = (optimizer_misfit(saved, target) if isinstance(target, torch.optim.Optimizer)
+               else misfit(saved, target.state_dict()))
+        if why:
+            raise UserError(f"{resumed.path}: its {name!r} does not fit this run's {name}: "
+                            f"{why}")
         try:
             said = load_state(target, saved, state["model"])
         except (KeyError, RuntimeError, TypeError, ValueError) as e:
