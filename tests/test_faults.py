@@ -567,3 +567,48 @@ def test_an_error_after_the_group_is_made_leaves_it_in_the_scripts_own_teardown(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ 12: found by the fuzz tests
+# (tests/test_fuzz_inputs.py): each was a traceback or a result the input did not hold.
+def _loaders(root: Path, **kw):
+    from ampkit.data import build_loaders
+    from ampkit.distributed import DistInfo
+
+    return build_loaders(kw.pop("name", "ImageFolder"), root, 8, 4,
+                         DistInfo(device=torch.device("cpu"), local_rank=1), **kw)
+
+
+@pytest.mark.parametrize("link", ["..", "."])
+def test_a_link_back_up_an_image_folder_is_one_line(link, imagefolder_root, tmp_path):
+    """torchvision's walk followed it again and again: each image a sample ~40 times over,
+    most under another class, without a word."""
+    from ampkit.errors import UserError
+
+    root = _copy_tree(imagefolder_root, tmp_path / "data")
+    (root / "train" / "red" / "loop").symlink_to(link, target_is_directory=True)
+    with pytest.raises(UserError, match="read already .a link.") as error:
+        _loaders(root)
+    assert str(root / "train" / "red" / "loop") in str(error.value)
+
+
+def test_an_image_outside_any_class_folder_is_one_line(imagefolder_root, tmp_path):
+    """torchvision left it out without a word; a text file there stays allowed."""
+    from ampkit.errors import UserError
+
+    root = _copy_tree(imagefolder_root, tmp_path / "data")
+    (root / "train" / "README.txt").write_text("the data set's notes")
+    assert _loaders(root).train_size == IF_TRAIN_SIZE
+    shutil.copy(root / "train" / "red" / "000.png", root / "train" / "loose.png")
+    with pytest.raises(UserError, match="an image outside any class folder") as error:
+        _loaders(root)
+    assert str(root / "train" / "loose.png") in str(error.value)
+
+
+def test_an_unreadable_image_with_a_line_break_in_its_name_is_named_in_one_line(
+        imagefolder_root, tmp_path):
+    root = _copy_tree(imagefolder_root, tmp_path / "data")
+    (root / "val" / "red" / "new\nline.png").write_bytes(b"not an image")
+    code, out, err = _main("train_without", _args(root, tmp_path / "ckpt"))
+    line = _one_line(code, err)
+    assert str(root / "val" / "red" / "new\\nline.png") in line, line

@@ -20,7 +20,8 @@ from torch.utils.data import Sampler, Subset
 from ..distributed import DistInfo
 from ..errors import UserError
 from .classic import CheckedLoader, default_workers, eval_loader, train_loader
-from .datasets import NUM_CLASSES, Unreadable, build_datasets
+from .datasets import NUM_CLASSES, build_datasets
+from .image_folder import Unreadable
 from .order import balanced_subset, labels_of, one_process_sampler
 from .on_device import fast_loaders
 

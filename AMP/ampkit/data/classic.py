@@ -20,10 +20,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from ..device import pinned
 from ..distributed import DistInfo
-from ..errors import UserError
+from ..errors import RankError, UserError
 from ..stop import SIGNALS
-from .datasets import BadImage, Unreadable
+from .image_folder import Unreadable
 from .order import IndexSampler, ResumableSampler, one_process_sampler
+
+
+class BadImage(RankError):
+    """An image file that cannot be read: corrupt, truncated, not an image, no permission."""
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
@@ -58,6 +62,12 @@ def held_stop_signals() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def printable(text: str) -> str:
+    """``text`` with what a terminal would not show as it is escaped (a line break, a byte
+    that is not UTF-8): a file's name may hold one, and the line naming it must stay one."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def collate_readable(batch: list) -> Tuple[Optional[object], Optional[object], List[Unreadable]]:
@@ -104,7 +114,7 @@ def collate_next_readable(batch: list) -> Tuple[object, object, List[Unreadable]
 
 class CheckedLoader:
     """A DataLoader whose batches arrive on ``device`` (the images in ``memory_format``), and
-    whose unreadable images (see :class:`.datasets.ImageFolder`) stop the run with a one-line
+    whose unreadable images (see :class:`.image_folder.ImageFolder`) stop the run with a one-line
     error naming the first, or with ``skip`` are left out of their batch and listed in
     ``unreadable`` (emptied by its reader, once per epoch)."""
 
@@ -137,6 +147,7 @@ class CheckedLoader:
         with held_stop_signals():
             batches = iter(self.loader)
         for images, targets, bad in batches:
+            bad = [Unreadable(printable(u.path), u.reason) for u in bad]
             if bad and not self.skip:
                 raise BadImage(f"{bad[0].path}: unreadable image ({bad[0].reason}); replace or "
                                "delete it, or pass --skip_bad_images to go on without it")

@@ -2,8 +2,8 @@
 ImageFolder (``<root>/train/<class>/*``, ``<root>/val/<class>/*``) and FakeData, and what
 their images go through (resized, normalised). CIFAR-10's archive is checked against its md5
 and member by member before anything is extracted; a broken extracted file is named, and
-extracted again from the archive beside it. An unreadable image of an ImageFolder becomes an
-:class:`Unreadable` sample, which the loaders report or pass over. Their order: :mod:`.order`."""
+extracted again from the archive beside it. ImageFolder's tree and its unreadable images:
+:mod:`.image_folder`. Their order: :mod:`.order`."""
 from __future__ import annotations
 
 import gzip
@@ -20,12 +20,12 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import torch
 import torchvision
-from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 from torchvision import transforms
 from torchvision.datasets.utils import calculate_md5, download_url
 
-from ..errors import RankError, UserError
+from ..errors import UserError
+from .image_folder import ImageFolder, tree_problem
 
 
 CIFAR_CLASSES = 10
@@ -305,51 +305,15 @@ def build_transform(img_size: int, name: str = "CIFAR10") -> transforms.Compose:
                                transforms.ToTensor(), transforms.Normalize(*normalization(name))])
 
 
-class BadImage(RankError):
-    """An image file that cannot be read: corrupt, truncated, not an image, no permission."""
-
-
-@dataclass(frozen=True)
-class Unreadable:
-    """Stands in a sample for an image that could not be read: its path, and why."""
-    path: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.path} ({self.reason})"
-
-
-class ImageFolder(torchvision.datasets.ImageFolder):
-    """torchvision's ImageFolder whose unreadable images become :class:`Unreadable` samples:
-    raised inside a DataLoader worker, their error would reach the user as a traceback,
-    without the file's name in its last line."""
-
-    def __getitem__(self, index: int):
-        path, target = self.samples[index]
-        try:
-            with open(path, "rb") as f:
-                # convert() decodes it all: a truncated file fails here, inside the try.
-                image = Image.open(f).convert("RGB")
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-            reason = ("not an image file PIL can read" if isinstance(e, UnidentifiedImageError)
-                      else e.strerror if isinstance(e, PermissionError)
-                      else (str(e).splitlines() or [type(e).__name__])[0])
-            return Unreadable(path, reason), target
-        return (self.transform(image) if self.transform else image), target
-
-
 def _image_folder(root: Path, split: str, transform) -> ImageFolder:
     folder = root / split
     if not folder.is_dir():
         raise UserError(f"--dataset ImageFolder expects {folder}/ with one folder per class "
                         f"(and {root / ('val' if split == 'train' else 'train')}/ beside it)")
     try:
-        # Opened first: os.walk, in ImageFolder, skips unreadable folders without a word.
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                if entry.is_dir():
-                    with os.scandir(entry.path):
-                        pass
+        problem = tree_problem(str(folder))
+        if problem:
+            raise UserError(problem)
         return ImageFolder(str(folder), transform=transform)
     except PermissionError as e:
         raise UserError(f"{e.filename or folder}: {e.strerror} (the data set must be readable "
