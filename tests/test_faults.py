@@ -612,3 +612,66 @@ def test_an_unreadable_image_with_a_line_break_in_its_name_is_named_in_one_line(
     code, out, err = _main("train_without", _args(root, tmp_path / "ckpt"))
     line = _one_line(code, err)
     assert str(root / "val" / "red" / "new\\nline.png") in line, line
+
+
+def _write_batch(root: Path, name: str, change) -> Path:
+    path = root / "cifar-10-batches-py" / name
+    with open(path, "rb") as f:
+        entry = pickle.load(f, encoding="latin1")
+    change(entry)
+    path.write_bytes(pickle.dumps(entry))
+    return path
+
+
+@pytest.mark.parametrize("loader", ["fast", "classic"])
+@pytest.mark.parametrize("damage, says", [
+    # A traceback from both paths (PIL's fromarray, the fast path's uint8 check).
+    ("data of int64", "'data' is not CIFAR-10's"),
+    # Read on the classic path with every label after it one image late.
+    ("a label more", "2 images but 3 labels"),
+    # "CIFAR-10 is not in ... and could not be downloaded", no file named.
+    ("data of 3 x 32 x 32", "'data' is not CIFAR-10's"),
+    ("no label_names", "'label_names'"),
+])
+def test_a_cifar_file_of_another_format_is_named(damage, says, loader, tmp_path):
+    from ampkit.errors import UserError
+    from tools.cifar_files import write_cifar10
+
+    root = write_cifar10(tmp_path / "cifar", 10, 3)
+    path = _write_batch(root, "batches.meta" if "label_names" in damage else "data_batch_2", {
+        "data of int64": lambda e: e.update(data=e["data"].astype(np.int64)),
+        "a label more": lambda e: e["labels"].append(0),
+        "data of 3 x 32 x 32": lambda e: e.update(data=e["data"].reshape(-1, 3, 32, 32)),
+        "no label_names": lambda e: e.pop("label_names"),
+    }[damage])
+    with pytest.raises(UserError) as error:
+        _loaders(root, name="CIFAR10", loader=loader)
+    assert str(path) in str(error.value) and says in str(error.value), error.value
+
+
+@pytest.mark.parametrize("clash", ["a file where a folder must be", "a folder linking out"])
+def test_a_cifar_archive_that_cannot_be_extracted_in_its_root_is_one_line(clash, tmp_path,
+                                                                          monkeypatch):
+    """Its members safe, its md5 taken for CIFAR-10's (the real archive is 163 MB): tarfile's
+    OSError, or its data filter's refusal of a path through a link out of the root, was a
+    traceback."""
+    from ampkit.data.datasets import extract_cifar_archive
+    from ampkit.errors import UserError
+
+    root = tmp_path / "root"
+    root.mkdir()
+    if clash == "a folder linking out":
+        (tmp_path / "elsewhere").mkdir()
+        (root / "cifar-10-batches-py").symlink_to(tmp_path / "elsewhere")
+        members = [_member("cifar-10-batches-py/data_batch_1")]
+    else:
+        members = [_member("cifar-10-batches-py"), _member("cifar-10-batches-py/data_batch_1")]
+    with tarfile.open(root / ARCHIVE, "w:gz") as tar:
+        for member in members:
+            tar.addfile(member, io.BytesIO(b"x" * member.size))
+    _trust_the_archive(root, monkeypatch)
+    with pytest.raises(UserError, match="cannot be extracted into") as error:
+        extract_cifar_archive(root / ARCHIVE, root)
+    assert str(root / ARCHIVE) in str(error.value)
+    if clash == "a folder linking out":
+        assert not any((tmp_path / "elsewhere").iterdir())

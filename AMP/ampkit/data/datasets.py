@@ -95,7 +95,11 @@ def extract_cifar_archive(archive: Path, root: Path) -> None:
                                 "inside the folder it is extracted to)")
         # The stdlib's own check too, where this Python has it (3.11.4, 3.10.12 and later).
         safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        tar.extractall(root, members, **safe)
+        try:
+            tar.extractall(root, members, **safe)
+        # A file where a folder must be; a folder of the root that links out of it.
+        except (OSError, tarfile.TarError) as e:
+            raise UserError(f"{archive}: cannot be extracted into {root}: {e}") from None
 
 
 def _bad_label(labels: Sequence) -> Optional[int]:
@@ -115,15 +119,19 @@ def _broken_cifar_file(folder: Path) -> Optional[Tuple[Path, str]]:
         try:
             with open(path, "rb") as f:
                 entry = pickle.load(f, encoding="latin1")
-            if name in names:
-                images = np.asarray(entry["data"]).reshape(-1, 3, 32, 32)
-                labels = entry["labels"]
-                if len(labels) != len(images):
-                    raise ValueError(f"{len(images)} images but {len(labels)} labels")
-                bad = _bad_label(labels)
-                if bad is not None:
-                    raise ValueError(f"label {labels[bad]!r} of image {bad} is not a class "
-                                     f"index 0..{CIFAR_CLASSES - 1}")
+            if name not in names:
+                dict.fromkeys(entry["label_names"])  # what torchvision makes of them
+                continue
+            images, labels = entry["data"], entry["labels"]
+            if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or \
+                    images.shape[1:] != (3072,):
+                raise ValueError("its 'data' is not CIFAR-10's: an image a row of 3072 bytes")
+            if len(labels) != len(images):
+                raise ValueError(f"{len(images)} images but {len(labels)} labels")
+            bad = _bad_label(labels)
+            if bad is not None:
+                raise ValueError(f"label {labels[bad]!r} of image {bad} is not a class index "
+                                 f"0..{CIFAR_CLASSES - 1}")
         # A broken pickle may raise anything at all.
         except Exception as e:
             return path, (str(e).splitlines() or [type(e).__name__])[0][:160]
@@ -132,9 +140,12 @@ def _broken_cifar_file(folder: Path) -> Optional[Tuple[Path, str]]:
 
 def _load_cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
     data = CIFAR10(str(root), train=train, transform=transform, download=download)
-    # No file named here: cifar10() asks _broken_cifar_file which one it is.
-    if _bad_label(data.targets) is not None:
-        raise ValueError("a label that is not a class index")
+    # torchvision reads without a word pixels that are not bytes, and as many labels as
+    # the files hold; no file named here: cifar10() asks _broken_cifar_file which one it is.
+    if _bad_label(data.targets) is not None or data.data.dtype != np.uint8 or \
+            len(data.targets) != len(data.data):
+        raise ValueError("not CIFAR-10's format: a label that is not a class index, pixels "
+                         "that are not bytes, or not one label an image")
     return data
 
 
