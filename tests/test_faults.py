@@ -675,3 +675,23 @@ def test_a_cifar_archive_that_cannot_be_extracted_in_its_root_is_one_line(clash,
     assert str(root / ARCHIVE) in str(error.value)
     if clash == "a folder linking out":
         assert not any((tmp_path / "elsewhere").iterdir())
+
+
+@pytest.mark.parametrize("script, flags, says", [
+    # torch.manual_seed's ValueError; 2**64 - 1 the sampler's at the second epoch.
+    ("train_without", ["--seed", str(2**64)], "--seed must be a 64-bit integer"),
+    ("train_without", ["--seed", str(2**64 - 1), "--epochs", "2"], "--seed must be"),
+    # islice's ValueError, in the sampler or the engine's grouping of micro-batches.
+    ("train_without", ["--batch_size", str(2**63)], "--batch_size must be a positive"),
+    ("eval_without", ["--batch_size", str(2**63)], "--batch_size must be a positive"),
+    ("train_without", ["--accum_steps", str(2**63)], "--accum_steps must be a positive"),
+    # BatchNorm's ValueError in the first step: ShuffleNet's last maps are 1 x 1 at 32 px.
+    ("train_without", ["--batch_size", "1"], "--batch_size 1 cannot train"),
+    # The eval scripts took 0 for "the checkpoint's size", without a word.
+    ("eval_without", ["--img_size", "0"], "--img_size must be a positive integer"),
+])
+def test_a_number_no_run_can_take_is_one_line(script, flags, says, imagefolder_root, tmp_path):
+    argv = (quick_flags(imagefolder_root, tmp_path / "ckpt", *flags, img_size=32)
+            if script.startswith("train") else ["--checkpoint", str(tmp_path), "--no-cuda", *flags])
+    code, out, err = _main(script, argv)
+    assert code == 2 and says in _one_line(code, err), err

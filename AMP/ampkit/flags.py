@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 from .device import DEVICES
 from .comm_hooks import HOOKS
 from .errors import UserError
-from .models import check_arch_flags, check_dp_scope
+from .models import check_arch_flags, check_batch_of_one, check_dp_scope
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO_ROOT / "data"
@@ -219,10 +219,15 @@ def _check_common(args: argparse.Namespace, process_group: bool) -> None:
                         f"torchrun started {os.environ['WORLD_SIZE']} (WORLD_SIZE): run it with "
                         "python, or use a DDP or FSDP script (train_DDP*, train_FSDP*, "
                         "eval_DDP) under torchrun")
-    if args.batch_size is not None and args.batch_size <= 0:
-        raise UserError(f"--batch_size must be a positive integer, got {args.batch_size}")
+    # Past sys.maxsize, a count reaches the sampler's islice as a traceback.
+    if args.batch_size is not None and not 0 < args.batch_size <= sys.maxsize:
+        raise UserError(f"--batch_size must be a positive integer (at most 2**63 - 1), got "
+                        f"{args.batch_size}")
     if args.num_workers is not None and args.num_workers < 0:
         raise UserError(f"--num_workers must be >= 0, got {args.num_workers}")
+    # An eval script's 0 would stand for "the checkpoint's size".
+    if args.img_size is not None and args.img_size <= 0:
+        raise UserError(f"--img_size must be a positive integer, got {args.img_size}")
     check_arch_flags(args.arch, args.img_size)
 
 
@@ -243,8 +248,15 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
         raise UserError(f"--peak_tflops must be a positive number, got {args.peak_tflops}")
     if args.log_every <= 0:
         raise UserError(f"--log_every must be a positive integer, got {args.log_every}")
-    if args.accum_steps <= 0:
-        raise UserError(f"--accum_steps must be a positive integer, got {args.accum_steps}")
+    if not 0 < args.accum_steps <= sys.maxsize:
+        raise UserError(f"--accum_steps must be a positive integer (at most 2**63 - 1), got "
+                        f"{args.accum_steps}")
+    # torch.manual_seed takes -2**63 to 2**64 - 1, and the sampler seeds each epoch with seed
+    # + epoch: a signed 64-bit seed leaves every epoch room.
+    if not -2**63 <= args.seed < 2**63:
+        raise UserError(f"--seed must be a 64-bit integer, -2**63 to 2**63 - 1, got {args.seed}")
+    if args.batch_size == 1:
+        check_batch_of_one(args.arch, args.img_size)
     if args.train_subset is not None and args.train_subset <= 0:
         raise UserError(f"--train_subset must be a positive integer, got {args.train_subset}")
     if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad > 0):

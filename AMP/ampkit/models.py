@@ -69,14 +69,24 @@ def check_input_size(arch: str, img_size: int) -> None:
         raise UserError(f"--img_size {img_size} does not suit --arch {arch}: {reason}")
 
 
+def check_batch_of_one(arch: str, img_size: int) -> None:
+    """``--batch_size 1`` in training: one line if ``arch`` cannot train on one image of
+    ``img_size`` px (BatchNorm over a 1 x 1 map normalises one value a channel)."""
+    reason = _meta_forward_problem(arch, img_size, batch=1, train=True)
+    if reason is not None:
+        raise UserError(f"--batch_size 1 cannot train --arch {arch} at --img_size {img_size} "
+                        f"({reason}): give --batch_size 2 or more, or a larger --img_size")
+
+
 # A pure function of its flags: its forward runs once per process, however often asked.
 @functools.lru_cache(maxsize=None)
-def _meta_forward_problem(arch: str, img_size: int) -> Optional[str]:
+def _meta_forward_problem(arch: str, img_size: int, batch: int = 2,
+                          train: bool = False) -> Optional[str]:
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = torchvision.models.get_model(arch, num_classes=10, **builder_kwargs(arch))
-            model.eval()(torch.empty(2, 3, img_size, img_size))
+            model.train(train)(torch.empty(batch, 3, img_size, img_size))
     # Whatever the model raises on an input it cannot take.
     except Exception as e:
         return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
