@@ -249,38 +249,31 @@ def _which(colour, files: dict) -> str:
     return found[0]
 
 
-def _check_epoch(split: str, loader, tree: Tree, skip: bool, loaders) -> None:
+def _check_epoch(split: str, seen: list, left_out: list, tree: Tree, skip: bool) -> None:
     """An epoch of ``split`` read through the project's loader: each image the file it came
-    from, with its class; an unreadable file named (without --skip_bad_images) or listed and
-    passed over (with it)."""
+    from, with its class; with --skip_bad_images, each unreadable one passed over and listed."""
     files, unreadable = tree.files[split], tree.unreadable(split)
-    error = []
-
-    def attempt():
-        try:
-            return _read_epoch(loader)
-        except UserError as e:
-            error.append(str(e))
-            raise
-
-    seen = outcome("ImageFolder trees", attempt)
-    readable = [p for p in files if p not in unreadable]
-    if seen is None:
-        named = error[0].split(": unreadable image")[0]
-        none = "no image of the training split can be read (the first: "
-        assert (unreadable and not skip and named in map(printable, unreadable)) or \
-            (split == "train" and not readable and error[0].startswith(none)), error
-        return
     assert not unreadable or skip, (unreadable, seen)
     paths = [_which(colour, files) for colour, _ in seen]
     assert all(files[p][0] == target for p, (_, target) in zip(paths, seen)), (paths, seen)
+    readable = [p for p in files if p not in unreadable]
     if split == "val":
         assert sorted(paths) == sorted(readable)
     else:
         # An unreadable training image's place is taken by the next readable one.
         assert len(paths) == len(files) and set(paths) == set(readable)
-    left_out = {u.path for u in loaders.take_unreadable()}
-    assert left_out == set(map(printable, unreadable)), (left_out, unreadable)
+    assert {u.path for u in left_out} == set(map(printable, unreadable)), (left_out, unreadable)
+
+
+def _check_refusal(split: str, error: str, tree: Tree, skip: bool) -> None:
+    """An epoch of ``split`` stopped: by an unreadable image, named (without
+    --skip_bad_images), or by a training split with no readable image at all."""
+    unreadable = tree.unreadable(split)
+    readable = [p for p in tree.files[split] if p not in unreadable]
+    named = error.split(": unreadable image")[0]
+    none = "no image of the training split can be read (the first: "
+    assert (unreadable and not skip and named in map(printable, unreadable)) or \
+        (split == "train" and not readable and error.startswith(none)), error
 
 
 def _two_classes(train_files=(("png", "a"),), val_files=(("png", "a"),), **spec) -> dict:
@@ -313,19 +306,36 @@ def test_an_image_folder_is_read_as_it_holds_or_refused_in_one_line(tmp_path_fac
     root.mkdir()
     outside.mkdir()
     tree = write_tree(root, outside, spec, cut)
+    done = {}
+
+    def attempt():
+        """The loaders built, then an epoch of each split read; what was done, for the checks."""
+        try:
+            done["loaders"] = build_loaders("ImageFolder", root, 8, batch_size, NOT_FIRST,
+                                            skip_bad=skip)
+            train_set = done["loaders"].train_set
+            # Each epoch with the images its loader left out (--skip_bad_images).
+            done["val"] = _read_epoch(done["loaders"].val), done["loaders"].take_unreadable()
+            train = done["loaders"].train_loader(one_process_sampler(len(train_set), seed=0))
+            done["train"] = _read_epoch(train), done["loaders"].take_unreadable()
+        except UserError as e:
+            done["error"] = str(e)
+            raise
+
     with mock.patch.object(image_folder, "open", _guarded_open(open), create=True):
-        loaders = outcome("ImageFolder trees", lambda: build_loaders(
-            "ImageFolder", root, 8, batch_size, NOT_FIRST, skip_bad=skip))
-        assert (loaders is None) == tree.refused, tree
-        if loaders is None:
+        outcome("ImageFolder trees", attempt)
+    assert ("loaders" not in done) == tree.refused, (tree, done.get("error"))
+    if tree.refused:
+        return
+    loaders = done["loaders"]
+    for split, dataset in (("train", loaders.train_set), ("val", loaders.val.loader.dataset)):
+        held = {p: c for p, (c, _) in tree.files[split].items()}
+        assert len(dataset.samples) == len(held) and dict(dataset.samples) == held
+    for split in ("val", "train"):
+        if split not in done:
+            _check_refusal(split, done["error"], tree, skip)
             return
-        train_set, val_set = loaders.train_set, loaders.val.loader.dataset
-        for split, dataset in (("train", train_set), ("val", val_set)):
-            held = {p: c for p, (c, _) in tree.files[split].items()}
-            assert len(dataset.samples) == len(held) and dict(dataset.samples) == held
-        _check_epoch("val", loaders.val, tree, skip, loaders)
-        train = loaders.train_loader(one_process_sampler(len(train_set), seed=0))
-        _check_epoch("train", train, tree, skip, loaders)
+        _check_epoch(split, *done[split], tree, skip)
 
 
 @examples(quick=3, thorough=80)
