@@ -85,8 +85,9 @@ def _shown(value: Any) -> str:
 def misfit(saved: Any, live: Any, where: str = "") -> str:
     """Where ``saved`` (a state dict) does not fit ``live`` (the object's own): a value of
     another kind where the live one has a tensor, a number, a flag, text, a dict or a list
-    (lists of the same length: they follow the param groups), or a NaN number. Keys only one
-    side has are left to the object's ``load_state_dict`` (an older or newer version)."""
+    (lists of the same length: they follow the param groups), or a NaN number; a flag may
+    be None (unset). Keys only one side has are left to the object's ``load_state_dict``
+    (an older or newer version)."""
     at = where or "it"
     if isinstance(live, torch.Tensor):
         return "" if isinstance(saved, torch.Tensor) else f"{at} is {_shown(saved)}, not a tensor"
@@ -101,7 +102,9 @@ def misfit(saved: Any, live: Any, where: str = "") -> str:
         return next((why for i, (s, v) in enumerate(zip(saved, live))
                      if (why := misfit(s, v, f"{where}[{i}]"))), "")
     if isinstance(live, bool):
-        return "" if isinstance(saved, bool) else f"{at} is {_shown(saved)}, not True or False"
+        # torch's optimizers write an unset Optional[bool] flag (fused, foreach) as None.
+        return "" if isinstance(saved, bool) or saved is None else \
+            f"{at} is {_shown(saved)}, not True, False or None"
     if isinstance(live, (int, float)):
         return "" if _number(saved) else f"{at} is {_shown(saved)}, not a number"
     if isinstance(live, str):
