@@ -82,7 +82,7 @@ def time_steps(args: argparse.Namespace, device, fp32_math: str) -> list:
                     dp_scope=args.dp_scope, accum_steps=args.accum_steps,
                     keep_sync=args.keep_sync, comm_hook=hook, powersgd_rank=args.powersgd_rank,
                     busy=args.busy,
-                    profile=args.profile_dir / f"trace_{variant}{hook_suffix}.json"
+                    profile=args.profile_dir / f"{variant}{hook_suffix}"
                     if args.profile else None)
                 print(f"  {name}: {r.step_ms:.1f} ms/step, {r.images_per_s:.1f} images/s",
                       flush=True)

@@ -62,13 +62,12 @@ from typing import List, Optional
 
 from ampkit.data import check_loader_flags, loader_kind
 from ampkit.errors import UserError
-from ampkit.flags import (DATASETS, DEFAULT_LR, REPO_ROOT, TENSORBOARD_DIR, Parser,
-                          add_device_flags, train_parser)
+from ampkit.flags import (DATASETS, DEFAULT_LR, REPO_ROOT, TENSORBOARD_DIR, DefaultsOnce,
+                          Parser, add_device_flags, train_parser)
 from ampkit.models import check_arch_flags
 from tools import report, stats
 from tools.compare_results import TB_ACCURACY, write_results
 from tools.comparison import Comparison, short
-from tools.help_format import DefaultsOnce
 from tools.report import FAILED, INTERRUPTED, OK, VariantResult
 from tools.variants import ARTICLE_VARIANTS, LABEL, TRAIN_VARIANTS, script_of
 

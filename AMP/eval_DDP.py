@@ -7,9 +7,8 @@
 The process group is the DDP train scripts' (train_DDP.py). Each process counts the correct
 predictions on its shard of the test split, one all_reduce sums the counts: the shards are
 disjoint and cover every image once, so the result is eval_without's for any number of
-processes. The article evaluated with a DistributedSampler, which pads the shards with
-repeated images (counted twice), and divided each process's own count by the whole test
-set. No DDP wrapper is needed: there are no gradients to synchronise.
+processes (a DistributedSampler pads its shards with repeated images, counted twice). No
+DDP wrapper is needed: there are no gradients to synchronise.
 """
 import torch
 import torch.distributed as dist
@@ -33,16 +32,10 @@ def main(argv=None):
                             world_size=world_size, store=group_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
     try:
-        ev = Evaluation(args.checkpoint, device, name=args.variant, arch=args.arch,
-                        dataset=args.dataset, dataset_root=args.dataset_root,
-                        img_size=args.img_size, batch_size=args.batch_size, loader=args.loader,
-                        num_workers=args.num_workers, channels_last=args.channels_last,
-                        skip_bad=args.skip_bad_images, autocast=args.autocast,
-                        amp_dtype=args.amp_dtype)
-        # Every world_size-th test image from this rank's on: disjoint shards that cover each
-        # image once (the article's DistributedSampler padded them with repeated images).
-        shard = range(rank, ev.test_size, world_size)
-        counts = ev.count_correct(ev.model, shard)
+        ev = Evaluation(args, device)
+        # This rank's shard: every world_size-th test image from its rank's on, disjoint
+        # shards that cover each image once; the counts summed over the ranks.
+        counts = ev.count(ev.model)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         ev.report(*counts.tolist())
     finally:

@@ -3,12 +3,11 @@
     python AMP/eval_DP.py                        # newest last.pth in checkpoint/
     python AMP/eval_DP.py --checkpoint checkpoint/train_DDP/best.pth --autocast --batch_size 256
 
-The checkpoint holds the bare model's weights: they are loaded into the model first, and the
-model is wrapped afterwards (the article loaded a `module.`-prefixed state into it again at
-every batch). Off CUDA the model runs as it is, without DataParallel. With --autocast, the model
-re-enters autocast with the run's dtype in each replica thread, for any --arch
-(autocast_replicas, ampkit/models.py), as autocast state is thread-local. `--help` lists
-the flags.
+The checkpoint holds the bare model's weights: they are loaded into the model once, and the
+model is wrapped afterwards. Off CUDA the model runs as it is, without DataParallel. With
+--autocast, the model re-enters autocast with the run's dtype in each replica thread, for any
+--arch (autocast_replicas, ampkit/models.py), as autocast state is thread-local. `--help`
+lists the flags.
 """
 from torch import nn
 
@@ -23,19 +22,11 @@ def main(argv=None):
     args = parse_eval_args("eval_DP", argv, __doc__)
     device = choose_device(args.device)
     refuse_unsupported(device, data_parallel=True)
-    ev = Evaluation(args.checkpoint, device, name=args.variant, arch=args.arch,
-                    dataset=args.dataset, dataset_root=args.dataset_root,
-                    img_size=args.img_size, batch_size=args.batch_size, loader=args.loader,
-                    num_workers=args.num_workers, channels_last=args.channels_last,
-                    skip_bad=args.skip_bad_images, autocast=args.autocast,
-                    amp_dtype=args.amp_dtype, data_parallel=True)
-    # All visible GPUs, each batch split between them: the weights are loaded first, then
-    # the model is wrapped (the article loaded a "module."-prefixed state at every batch).
+    ev = Evaluation(args, device, data_parallel=True)
     # DataParallel is CUDA's: on another device it would still move the model to a GPU the
     # machine has, so there the model runs as it is.
     model = nn.DataParallel(ev.model) if device.type == "cuda" else ev.model
-    counts = ev.count_correct(model, range(ev.test_size))
-    ev.report(*counts.tolist())
+    ev.report(*ev.count(model).tolist())
 
 
 if __name__ == "__main__":

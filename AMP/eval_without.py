@@ -17,14 +17,8 @@ from ampkit.run import report_user_errors
 def main(argv=None):
     args = parse_eval_args("eval_without", argv, __doc__)
     device = choose_device(args.device)
-    ev = Evaluation(args.checkpoint, device, name=args.variant, arch=args.arch,
-                    dataset=args.dataset, dataset_root=args.dataset_root,
-                    img_size=args.img_size, batch_size=args.batch_size, loader=args.loader,
-                    num_workers=args.num_workers, channels_last=args.channels_last,
-                    skip_bad=args.skip_bad_images, autocast=args.autocast,
-                    amp_dtype=args.amp_dtype)
-    counts = ev.count_correct(ev.model, range(ev.test_size))
-    ev.report(*counts.tolist())
+    ev = Evaluation(args, device)
+    ev.report(*ev.count(ev.model).tolist())
 
 
 if __name__ == "__main__":

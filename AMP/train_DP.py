@@ -8,14 +8,14 @@ GPU in a thread of its own and gathers the outputs on GPU 0: one process and no 
 but slower than DDP (train_DDP.py), which PyTorch recommends. --dp_scope features
 replicates the convolutions alone, as pytorch/examples' ImageNet script does for AlexNet.
 Off CUDA (--device cpu) the model runs as it is, without DataParallel.
-Pitfall: --batch_size is the whole batch, split across the GPUs. The article saved the
-wrapped model, whose `module.` keys no bare model loads.
+Pitfall: --batch_size is the whole batch, split across the GPUs. The checkpoint holds the
+bare network, whose keys any script loads, not the wrapper's `module.` ones.
 """
 import sys
 
 import torch
 
-from ampkit.checkpoint import Saver, restore, resume
+from ampkit.checkpoint import CheckpointManager, Progress
 from ampkit.data import build_loaders, one_process_sampler
 from ampkit.device import choose_device, refuse_unsupported, set_cuda_math
 from ampkit.engine import Technique, count_correct, train_one_epoch
@@ -68,6 +68,10 @@ def main(argv=None):
     # One line for DataParallel off CUDA (it replicates over CUDA GPUs alone).
     refuse_unsupported(device, data_parallel=True)
     fp32_math = set_cuda_math(args.tf32, device)
+    return train(args, device=device, fp32_math=fp32_math)
+
+
+def train(args, *, device, fp32_math):
     with RunFolder(args.checkpoint / args.variant, device,
                    args.tensorboard_log / args.variant if args.tensorboard else None) as run:
         data = build_loaders(args.dataset, args.dataset_root, args.img_size,
@@ -78,54 +82,50 @@ def main(argv=None):
                              skip_bad=args.skip_bad_images)
         sampler = one_process_sampler(len(data.train_set), seed=args.seed)
         loader = data.train_loader(sampler)
-        network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
+        network = make_network(args.arch, data, run.info, seed=args.seed,
                                pretrained=args.pretrained, channels_last=args.channels_last)
-        resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
-                         args=args)
-        technique = build(network, torch.nn.CrossEntropyLoss(), device=device, lr=args.start_lr,
+        technique = build(network, torch.nn.CrossEntropyLoss(), device=device, lr=args.lr,
                           clip_grad=args.clip_grad, dp_scope=args.dp_scope)
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                patience=3)
 
-        # Without DataParallel's "module." prefix (the article saved the wrapped
-        # model); inside (--dp_scope features), the prefix is dropped as it is written.
-        model = technique.model
-        state = {"model": model.module if isinstance(model, torch.nn.DataParallel) else model,
-                 "optimizer": technique.optimizer, "scheduler": scheduler}
+        progress = Progress()
+        state = {"model": network, "optimizer": technique.optimizer, "scheduler": scheduler,
+                 "progress": progress}
 
-        with (run.logger(resumed, args.epochs) as log,
-              Saver(run.dir, run.info, resumed, state, save_every=args.save_every,
-                    epochs=args.epochs, num_classes=data.num_classes, args=args) as saver,
-              run.stop_vote(log.print) as vote):
-            restore(resumed, state, log, args=args)
+        with (run.logger(args.epochs) as log,
+              CheckpointManager(run.dir, state, run.info, save_every=args.save_every,
+                                epochs=args.epochs, num_classes=data.num_classes,
+                                args=args) as checkpoint,
+              run.stop(log.print) as stop):
+            checkpoint.load(args.resume, init_from=args.init_from, say=log.print)
             if args.compile:
                 compile_in_place(technique.model, mode=args.compile)
-            meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                            amp_dtype=None, accum_steps=args.accum_steps,
-                            peak_tflops=args.peak_tflops, fp32_math=fp32_math,
+            meters = Meters(technique, data, run.info, log, progress=progress, arch=args.arch,
+                            accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
+                            fp32_math=fp32_math,
                             profile_dir=run.dir / "profile" if args.profile else None)
-            log.print(header_line(args.variant, technique, data, run.info, amp_dtype=None,
+            log.print(header_line(args.variant, technique, data, run.info,
                                   accum_steps=args.accum_steps, clip_grad=args.clip_grad,
                                   fp32_math=fp32_math, data_parallel=True))
 
-            for epoch in range(resumed.epoch, args.epochs):
+            for epoch in range(progress.epoch, args.epochs):
                 sampler.set_epoch(epoch)
                 technique.model.train()
                 stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
-                                        epoch=epoch, start=resumed.step_in(epoch),
-                                        accum_steps=args.accum_steps, stop=vote,
-                                        log_every=args.log_every,
+                                        start=progress.step, accum_steps=args.accum_steps,
+                                        stop=stop, log_every=args.log_every,
                                         desc=f"epoch {epoch + 1}/{args.epochs}")
                 if stats.stopped_at is not None:
-                    saver.save_stop(epoch, stats)
+                    checkpoint.save_stop(stats)
                     break
                 counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                        desc="val")
                 correct, seen = counts.tolist()
                 scheduler.step(correct / seen)
-                saver.save(epoch + 1, val_acc=correct / seen)
-                log.epoch(meters.row(epoch, stats, correct, seen) | saver.timing)
-            run.end(meters, saver, vote, log)
+                checkpoint.save(epoch + 1, val_acc=correct / seen)
+                log.epoch(meters.row(epoch, stats, correct, seen) | checkpoint.timing)
+            run.end(checkpoint, meters, stop, log)
     return run.status
 
 

@@ -5,15 +5,15 @@
 
 Pitfall: autocast state is thread-local. DataParallel's replica threads re-enter autocast
 with the caller's on/off flag but their own default dtype (float16 on CUDA), so a bf16 run
-would silently compute in fp16 there. The article decorated AlexNet's forward with
-@autocast(); here what DataParallel replicates (the model, or model.features) re-enters
-autocast with the run's dtype in every thread, for any --arch (autocast_replicas).
+would silently compute in fp16 there. What DataParallel replicates (the model, or
+model.features) re-enters autocast with the run's dtype in every thread, for any --arch
+(autocast_replicas).
 """
 import sys
 
 import torch
 
-from ampkit.checkpoint import Saver, restore, resume
+from ampkit.checkpoint import CheckpointManager, Progress
 from ampkit.data import build_loaders, one_process_sampler
 from ampkit.device import choose_device, refuse_unsupported, resolve_amp_dtype, set_cuda_math
 from ampkit.engine import Technique, count_correct, train_one_epoch
@@ -25,9 +25,6 @@ from ampkit.run import RunFolder, header_line, report_user_errors
 
 def build(network, criterion, *, device, lr, amp_dtype, clip_grad, dp_scope):
     model = network
-    # DataParallel replicates over CUDA GPUs alone: built on another device it would still
-    # move the model to a GPU the machine has (it looks at the machine, not the model).
-    # Elsewhere the model runs as it is.
     # autocast is thread-local, and DataParallel runs each replica in a thread of its
     # own: what it replicates re-enters autocast with the run's dtype there.
     if device.type == "cuda" and dp_scope == "features":
@@ -65,9 +62,12 @@ def main(argv=None):
     device = choose_device(args.device)
     # DataParallel replicates over every visible GPU: each must compute in the dtype.
     amp_dtype = resolve_amp_dtype(args.amp_dtype, device, data_parallel=True)
-    # One line for DataParallel off CUDA (it replicates over CUDA GPUs alone).
     refuse_unsupported(device, data_parallel=True)
     fp32_math = set_cuda_math(args.tf32, device)
+    return train(args, device=device, amp_dtype=amp_dtype, fp32_math=fp32_math)
+
+
+def train(args, *, device, amp_dtype, fp32_math):
     with RunFolder(args.checkpoint / args.variant, device,
                    args.tensorboard_log / args.variant if args.tensorboard else None) as run:
         data = build_loaders(args.dataset, args.dataset_root, args.img_size,
@@ -78,52 +78,50 @@ def main(argv=None):
                              skip_bad=args.skip_bad_images)
         sampler = one_process_sampler(len(data.train_set), seed=args.seed)
         loader = data.train_loader(sampler)
-        network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
+        network = make_network(args.arch, data, run.info, seed=args.seed,
                                pretrained=args.pretrained, channels_last=args.channels_last)
-        resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
-                         args=args)
-        technique = build(network, torch.nn.CrossEntropyLoss(), device=device, lr=args.start_lr,
+        technique = build(network, torch.nn.CrossEntropyLoss(), device=device, lr=args.lr,
                           amp_dtype=amp_dtype, clip_grad=args.clip_grad, dp_scope=args.dp_scope)
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                patience=3)
 
-        model = technique.model
-        state = {"model": model.module if isinstance(model, torch.nn.DataParallel) else model,
-                 "optimizer": technique.optimizer, "scheduler": scheduler}
+        progress = Progress()
+        state = {"model": network, "optimizer": technique.optimizer, "scheduler": scheduler,
+                 "progress": progress}
 
-        with (run.logger(resumed, args.epochs) as log,
-              Saver(run.dir, run.info, resumed, state, save_every=args.save_every,
-                    epochs=args.epochs, num_classes=data.num_classes, args=args) as saver,
-              run.stop_vote(log.print) as vote):
-            restore(resumed, state, log, args=args)
+        with (run.logger(args.epochs) as log,
+              CheckpointManager(run.dir, state, run.info, save_every=args.save_every,
+                                epochs=args.epochs, num_classes=data.num_classes,
+                                args=args) as checkpoint,
+              run.stop(log.print) as stop):
+            checkpoint.load(args.resume, init_from=args.init_from, say=log.print)
             if args.compile:
                 compile_in_place(technique.model, mode=args.compile)
-            meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                            amp_dtype=amp_dtype, accum_steps=args.accum_steps,
-                            peak_tflops=args.peak_tflops, fp32_math=fp32_math,
+            meters = Meters(technique, data, run.info, log, progress=progress, arch=args.arch,
+                            accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
+                            fp32_math=fp32_math,
                             profile_dir=run.dir / "profile" if args.profile else None)
-            log.print(header_line(args.variant, technique, data, run.info, amp_dtype=amp_dtype,
+            log.print(header_line(args.variant, technique, data, run.info,
                                   accum_steps=args.accum_steps, clip_grad=args.clip_grad,
                                   fp32_math=fp32_math, data_parallel=True))
 
-            for epoch in range(resumed.epoch, args.epochs):
+            for epoch in range(progress.epoch, args.epochs):
                 sampler.set_epoch(epoch)
                 technique.model.train()
                 stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
-                                        epoch=epoch, start=resumed.step_in(epoch),
-                                        accum_steps=args.accum_steps, stop=vote,
-                                        log_every=args.log_every,
+                                        start=progress.step, accum_steps=args.accum_steps,
+                                        stop=stop, log_every=args.log_every,
                                         desc=f"epoch {epoch + 1}/{args.epochs}")
                 if stats.stopped_at is not None:
-                    saver.save_stop(epoch, stats)
+                    checkpoint.save_stop(stats)
                     break
                 counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                        desc="val")
                 correct, seen = counts.tolist()
                 scheduler.step(correct / seen)
-                saver.save(epoch + 1, val_acc=correct / seen)
-                log.epoch(meters.row(epoch, stats, correct, seen) | saver.timing)
-            run.end(meters, saver, vote, log)
+                checkpoint.save(epoch + 1, val_acc=correct / seen)
+                log.epoch(meters.row(epoch, stats, correct, seen) | checkpoint.timing)
+            run.end(checkpoint, meters, stop, log)
     return run.status
 
 

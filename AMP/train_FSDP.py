@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DistributedSampler
 
-from ampkit.checkpoint import Saver, restore, resume
+from ampkit.checkpoint import CheckpointManager, Progress
 from ampkit.data import build_loaders
 from ampkit.device import choose_device, refuse_unsupported, set_cuda_math
 from ampkit.distributed import GROUP_TIMEOUT, group_store, local_main_first, torchrun_ranks
@@ -70,85 +70,78 @@ def build(network, criterion, *, lr, clip_grad):
 @report_user_errors
 def main(argv=None):
     args = parse_train_args("train_FSDP", argv, __doc__, process_group=True)
-    # One process per device, in a group made from torchrun's RANK, WORLD_SIZE and
-    # LOCAL_RANK (the article set rank and address by hand, and used gloo on GPUs too).
     rank, world_size, local_rank = torchrun_ranks()
     device = choose_device(args.device, local_rank)
-    # One line for a group on MPS (c10d moves no MPS tensors).
     refuse_unsupported(device, process_group=True)
     if device.type != "cpu":
-        # Before any work on it, or every rank would use device 0.
         torch.accelerator.set_device_index(device.index)
+    fp32_math = set_cuda_math(args.tf32, device)
     dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank,
                             world_size=world_size, store=group_store(rank, world_size),
                             timeout=GROUP_TIMEOUT, device_id=device.index)
-    fp32_math = set_cuda_math(args.tf32, device)
-    # The group is left on every way out, a stop or an error too (the article never did).
     try:
-        with RunFolder(args.checkpoint / args.variant, device,
-                       args.tensorboard_log / args.variant if args.tensorboard else None) as run:
-            # A download by one process per node, the others after it.
-            with local_main_first(run.info):
-                data = build_loaders(args.dataset, args.dataset_root, args.img_size,
-                                     args.batch_size, run.info, loader=args.loader,
-                                     num_workers=args.num_workers,
-                                     channels_last=args.channels_last,
-                                     train_subset=args.train_subset,
-                                     skip_bad=args.skip_bad_images)
-            # Each process its own share of the data, in an order new every epoch and the
-            # same on every rank (set_epoch); the article's never changed.
-            sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
-            loader = data.train_loader(sampler)
-            network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
-                                   pretrained=args.pretrained, channels_last=args.channels_last)
-            resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
-                             args=args)
-            technique = build(network, torch.nn.CrossEntropyLoss(), lr=args.start_lr,
-                              clip_grad=args.clip_grad)
-            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
-                                                                   patience=3)
-
-            # A save gathers the shards' full state for rank 0 to write; a resume shards it again.
-            state = {"model": technique.model, "optimizer": technique.optimizer,
-                     "scheduler": scheduler}
-
-            with (run.logger(resumed, args.epochs) as log,
-                  Saver(run.dir, run.info, resumed, state, save_every=args.save_every,
-                        epochs=args.epochs, num_classes=data.num_classes, args=args) as saver,
-                  run.stop_vote(log.print) as vote):
-                restore(resumed, state, log, args=args)
-                if args.compile:
-                    compile_in_place(technique.model, mode=args.compile)
-                meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                                amp_dtype=None, accum_steps=args.accum_steps,
-                                peak_tflops=args.peak_tflops, fp32_math=fp32_math,
-                                profile_dir=run.dir / "profile" if args.profile else None)
-                log.print(header_line(args.variant, technique, data, run.info, amp_dtype=None,
-                                      accum_steps=args.accum_steps, clip_grad=args.clip_grad,
-                                      fp32_math=fp32_math))
-
-                for epoch in range(resumed.epoch, args.epochs):
-                    sampler.set_epoch(epoch)
-                    technique.model.train()
-                    stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
-                                            epoch=epoch, start=resumed.step_in(epoch),
-                                            accum_steps=args.accum_steps, stop=vote,
-                                            log_every=args.log_every,
-                                            desc=f"epoch {epoch + 1}/{args.epochs}")
-                    if stats.stopped_at is not None:
-                        saver.save_stop(epoch, stats)
-                        break
-                    counts = count_correct(technique.model, data.val, run.info, technique.autocast,
-                                           desc="val")
-                    # Every rank's counts summed (the article divided one rank's by the whole set).
-                    dist.all_reduce(counts)
-                    correct, seen = counts.tolist()
-                    scheduler.step(correct / seen)
-                    saver.save(epoch + 1, val_acc=correct / seen)
-                    log.epoch(meters.row(epoch, stats, correct, seen) | saver.timing)
-                run.end(meters, saver, vote, log)
+        return train(args, device=device, fp32_math=fp32_math)
     finally:
         dist.destroy_process_group()
+
+
+def train(args, *, device, fp32_math):
+    with RunFolder(args.checkpoint / args.variant, device,
+                   args.tensorboard_log / args.variant if args.tensorboard else None) as run:
+        with local_main_first(run.info):
+            data = build_loaders(args.dataset, args.dataset_root, args.img_size,
+                                 args.batch_size, run.info, loader=args.loader,
+                                 num_workers=args.num_workers,
+                                 channels_last=args.channels_last,
+                                 train_subset=args.train_subset,
+                                 skip_bad=args.skip_bad_images)
+        sampler = DistributedSampler(data.train_set, shuffle=True, seed=args.seed)
+        loader = data.train_loader(sampler)
+        network = make_network(args.arch, data, run.info, seed=args.seed,
+                               pretrained=args.pretrained, channels_last=args.channels_last)
+        technique = build(network, torch.nn.CrossEntropyLoss(), lr=args.lr,
+                          clip_grad=args.clip_grad)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
+                                                               patience=3)
+
+        progress = Progress()
+        state = {"model": network, "optimizer": technique.optimizer, "scheduler": scheduler,
+                 "progress": progress}
+
+        with (run.logger(args.epochs) as log,
+              CheckpointManager(run.dir, state, run.info, save_every=args.save_every,
+                                epochs=args.epochs, num_classes=data.num_classes,
+                                args=args) as checkpoint,
+              run.stop(log.print) as stop):
+            checkpoint.load(args.resume, init_from=args.init_from, say=log.print)
+            if args.compile:
+                compile_in_place(technique.model, mode=args.compile)
+            meters = Meters(technique, data, run.info, log, progress=progress, arch=args.arch,
+                            accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
+                            fp32_math=fp32_math,
+                            profile_dir=run.dir / "profile" if args.profile else None)
+            log.print(header_line(args.variant, technique, data, run.info,
+                                  accum_steps=args.accum_steps, clip_grad=args.clip_grad,
+                                  fp32_math=fp32_math))
+
+            for epoch in range(progress.epoch, args.epochs):
+                sampler.set_epoch(epoch)
+                technique.model.train()
+                stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
+                                        start=progress.step, accum_steps=args.accum_steps,
+                                        stop=stop, log_every=args.log_every,
+                                        desc=f"epoch {epoch + 1}/{args.epochs}")
+                if stats.stopped_at is not None:
+                    checkpoint.save_stop(stats)
+                    break
+                counts = count_correct(technique.model, data.val, run.info, technique.autocast,
+                                       desc="val")
+                dist.all_reduce(counts)
+                correct, seen = counts.tolist()
+                scheduler.step(correct / seen)
+                checkpoint.save(epoch + 1, val_acc=correct / seen)
+                log.epoch(meters.row(epoch, stats, correct, seen) | checkpoint.timing)
+            run.end(checkpoint, meters, stop, log)
     return run.status
 
 

@@ -6,7 +6,6 @@
 GradScaler multiplies the loss by a large factor (65536 at first), so float16 gradients stay
 representable; scaler.step() divides them again and skips a step whose gradients hold
 inf/NaN, and scaler.update() then halves the factor (and doubles it after 2000 good steps).
-The article's torch.cuda.amp.GradScaler() is torch.amp.GradScaler("cuda") now.
 Pitfall: what reads the gradients (clipping, the norm) comes after scaler.unscale_(optimizer),
 once per optimizer step: with --accum_steps after the step's last backward(), never per
 micro-batch.
@@ -15,7 +14,7 @@ import sys
 
 import torch
 
-from ampkit.checkpoint import Saver, restore, resume
+from ampkit.checkpoint import CheckpointManager, Progress
 from ampkit.data import build_loaders, one_process_sampler
 from ampkit.device import choose_device, refuse_unsupported, resolve_amp_dtype, set_cuda_math
 from ampkit.engine import Technique, count_correct, train_one_epoch
@@ -67,6 +66,10 @@ def main(argv=None):
     # A GradScaler runs on this device's own kernels for it: one line where it has none.
     refuse_unsupported(device, loss_scaling=True)
     fp32_math = set_cuda_math(args.tf32, device)
+    return train(args, device=device, amp_dtype=amp_dtype, fp32_math=fp32_math)
+
+
+def train(args, *, device, amp_dtype, fp32_math):
     with RunFolder(args.checkpoint / args.variant, device,
                    args.tensorboard_log / args.variant if args.tensorboard else None) as run:
         data = build_loaders(args.dataset, args.dataset_root, args.img_size,
@@ -77,51 +80,50 @@ def main(argv=None):
                              skip_bad=args.skip_bad_images)
         sampler = one_process_sampler(len(data.train_set), seed=args.seed)
         loader = data.train_loader(sampler)
-        network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
+        network = make_network(args.arch, data, run.info, seed=args.seed,
                                pretrained=args.pretrained, channels_last=args.channels_last)
-        resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
-                         args=args)
-        technique = build(network, torch.nn.CrossEntropyLoss(), device=device, lr=args.start_lr,
+        technique = build(network, torch.nn.CrossEntropyLoss(), device=device, lr=args.lr,
                           amp_dtype=amp_dtype, clip_grad=args.clip_grad)
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                patience=3)
 
-        state = {"model": technique.model, "optimizer": technique.optimizer,
-                 "scheduler": scheduler, "scaler": technique.scaler}
+        progress = Progress()
+        state = {"model": network, "optimizer": technique.optimizer, "scheduler": scheduler,
+                 "scaler": technique.scaler, "progress": progress}
 
-        with (run.logger(resumed, args.epochs) as log,
-              Saver(run.dir, run.info, resumed, state, save_every=args.save_every,
-                    epochs=args.epochs, num_classes=data.num_classes, args=args) as saver,
-              run.stop_vote(log.print) as vote):
-            restore(resumed, state, log, args=args)
+        with (run.logger(args.epochs) as log,
+              CheckpointManager(run.dir, state, run.info, save_every=args.save_every,
+                                epochs=args.epochs, num_classes=data.num_classes,
+                                args=args) as checkpoint,
+              run.stop(log.print) as stop):
+            checkpoint.load(args.resume, init_from=args.init_from, say=log.print)
             if args.compile:
                 compile_in_place(technique.model, mode=args.compile)
-            meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                            amp_dtype=amp_dtype, accum_steps=args.accum_steps,
-                            peak_tflops=args.peak_tflops, fp32_math=fp32_math,
+            meters = Meters(technique, data, run.info, log, progress=progress, arch=args.arch,
+                            accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
+                            fp32_math=fp32_math,
                             profile_dir=run.dir / "profile" if args.profile else None)
-            log.print(header_line(args.variant, technique, data, run.info, amp_dtype=amp_dtype,
+            log.print(header_line(args.variant, technique, data, run.info,
                                   accum_steps=args.accum_steps, clip_grad=args.clip_grad,
                                   fp32_math=fp32_math))
 
-            for epoch in range(resumed.epoch, args.epochs):
+            for epoch in range(progress.epoch, args.epochs):
                 sampler.set_epoch(epoch)
                 technique.model.train()
                 stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
-                                        epoch=epoch, start=resumed.step_in(epoch),
-                                        accum_steps=args.accum_steps, stop=vote,
-                                        log_every=args.log_every,
+                                        start=progress.step, accum_steps=args.accum_steps,
+                                        stop=stop, log_every=args.log_every,
                                         desc=f"epoch {epoch + 1}/{args.epochs}")
                 if stats.stopped_at is not None:
-                    saver.save_stop(epoch, stats)
+                    checkpoint.save_stop(stats)
                     break
                 counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                        desc="val")
                 correct, seen = counts.tolist()
                 scheduler.step(correct / seen)
-                saver.save(epoch + 1, val_acc=correct / seen)
-                log.epoch(meters.row(epoch, stats, correct, seen) | saver.timing)
-            run.end(meters, saver, vote, log)
+                checkpoint.save(epoch + 1, val_acc=correct / seen)
+                log.epoch(meters.row(epoch, stats, correct, seen) | checkpoint.timing)
+            run.end(checkpoint, meters, stop, log)
     return run.status
 
 

@@ -4,16 +4,16 @@
     python AMP/train_without.py --dataset ImageFolder --dataset_root data/flowers --img_size 224
     python AMP/train_without.py --accum_steps 4 --clip_grad 1.0   # a step over 4 x 64 images
 
-The article read the loss back with .item() every step (the host waited for the GPU each
-time), stepped its LR schedule on the last batch's loss and never shuffled. Here the loss
-is read every --log_every steps, the schedule steps on validation accuracy, and every
-epoch has a new order. `python AMP/train_without.py --help` lists the flags.
+The loss is read on the host every --log_every steps, not every step (each read waits for
+the GPU), the schedule steps on validation accuracy, and every epoch has a new order; the
+loop, the stop and the checkpoint are commented here once for every script.
+`python AMP/train_without.py --help` lists the flags.
 """
 import sys
 
 import torch
 
-from ampkit.checkpoint import Saver, restore, resume
+from ampkit.checkpoint import CheckpointManager, Progress
 from ampkit.data import build_loaders, one_process_sampler
 from ampkit.device import choose_device, set_cuda_math
 from ampkit.engine import Technique, count_correct, train_one_epoch
@@ -61,6 +61,10 @@ def main(argv=None):
     args = parse_train_args("train_without", argv, __doc__)
     device = choose_device(args.device)
     fp32_math = set_cuda_math(args.tf32, device)
+    return train(args, device=device, fp32_math=fp32_math)
+
+
+def train(args, *, device, fp32_math):
     with RunFolder(args.checkpoint / args.variant, device,
                    args.tensorboard_log / args.variant if args.tensorboard else None) as run:
         data = build_loaders(args.dataset, args.dataset_root, args.img_size,
@@ -72,63 +76,58 @@ def main(argv=None):
         sampler = one_process_sampler(len(data.train_set), seed=args.seed)
         loader = data.train_loader(sampler)
         # The same initial weights for every variant and world size: built from --seed.
-        network = make_network(args.arch, data.num_classes, run.info, seed=args.seed,
+        network = make_network(args.arch, data, run.info, seed=args.seed,
                                pretrained=args.pretrained, channels_last=args.channels_last)
-        # A resumed run's weights go into the bare network, before build() wraps it.
-        resumed = resume(args.resume, run.dir, network, run.info, init_from=args.init_from,
-                         args=args)
-        technique = build(network, torch.nn.CrossEntropyLoss(), lr=args.start_lr,
+        technique = build(network, torch.nn.CrossEntropyLoss(), lr=args.lr,
                           clip_grad=args.clip_grad)
-        # On validation accuracy, stepped once an epoch (the article stepped on the last
-        # batch's loss).
+        # On validation accuracy, stepped once an epoch.
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(technique.optimizer, mode="max",
                                                                patience=3)
+        progress = Progress()
 
-        # What a checkpoint holds, named once: the Saver saves each entry's state_dict()
-        # beside the run's record, a --resume loads each back into the object of its
-        # name (the weights into the bare network, before build() wraps it).
-        state = {"model": technique.model, "optimizer": technique.optimizer,
-                 "scheduler": scheduler}
+        # What a checkpoint holds, named once: each entry is saved by its state_dict() and
+        # loaded back into the object of its name; "progress" is where the run stands.
+        state = {"model": network, "optimizer": technique.optimizer, "scheduler": scheduler,
+                 "progress": progress}
 
-        with (run.logger(resumed, args.epochs) as log,
-              Saver(run.dir, run.info, resumed, state, save_every=args.save_every,
-                    epochs=args.epochs, num_classes=data.num_classes, args=args) as saver,
-              run.stop_vote(log.print) as vote):
-            restore(resumed, state, log, args=args)
+        with (run.logger(args.epochs) as log,
+              CheckpointManager(run.dir, state, run.info, save_every=args.save_every,
+                                epochs=args.epochs, num_classes=data.num_classes,
+                                args=args) as checkpoint,
+              run.stop(log.print) as stop):
+            checkpoint.load(args.resume, init_from=args.init_from, say=log.print)
             if args.compile:
                 compile_in_place(technique.model, mode=args.compile)
-            meters = Meters(technique, data, run.info, resumed, log, arch=args.arch,
-                            amp_dtype=None, accum_steps=args.accum_steps,
-                            peak_tflops=args.peak_tflops, fp32_math=fp32_math,
+            meters = Meters(technique, data, run.info, log, progress=progress, arch=args.arch,
+                            accum_steps=args.accum_steps, peak_tflops=args.peak_tflops,
+                            fp32_math=fp32_math,
                             profile_dir=run.dir / "profile" if args.profile else None)
-            log.print(header_line(args.variant, technique, data, run.info, amp_dtype=None,
+            log.print(header_line(args.variant, technique, data, run.info,
                                   accum_steps=args.accum_steps, clip_grad=args.clip_grad,
                                   fp32_math=fp32_math))
 
-            for epoch in range(resumed.epoch, args.epochs):
+            for epoch in range(progress.epoch, args.epochs):
                 sampler.set_epoch(epoch)
                 # Dropout on (count_correct turns it off).
                 technique.model.train()
-                # The loss is read on the host every --log_every steps, not every step (the
-                # article's .item() made the host wait for the GPU at each); 5 inf/NaN losses
-                # in a row end the run (a GradScaler's run skips those steps instead).
+                # The loss is read on the host every --log_every steps, not every step; 5
+                # inf/NaN losses in a row end the run (a GradScaler's run skips those steps).
                 stats = train_one_epoch(technique.train_step, loader, run.info, meters=meters,
-                                        epoch=epoch, start=resumed.step_in(epoch),
-                                        accum_steps=args.accum_steps, stop=vote,
-                                        log_every=args.log_every,
+                                        start=progress.step, accum_steps=args.accum_steps,
+                                        stop=stop, log_every=args.log_every,
                                         desc=f"epoch {epoch + 1}/{args.epochs}")
                 # A stop signal (a scheduler's SIGTERM, Ctrl-C): last.pth saved where it
                 # stopped, for --resume.
                 if stats.stopped_at is not None:
-                    saver.save_stop(epoch, stats)
+                    checkpoint.save_stop(stats)
                     break
                 counts = count_correct(technique.model, data.val, run.info, technique.autocast,
                                        desc="val")
                 correct, seen = counts.tolist()
                 scheduler.step(correct / seen)
-                saver.save(epoch + 1, val_acc=correct / seen)
-                log.epoch(meters.row(epoch, stats, correct, seen) | saver.timing)
-            run.end(meters, saver, vote, log)
+                checkpoint.save(epoch + 1, val_acc=correct / seen)
+                log.epoch(meters.row(epoch, stats, correct, seen) | checkpoint.timing)
+            run.end(checkpoint, meters, stop, log)
     return run.status
 
 

@@ -7,9 +7,10 @@ it imports from, the lines of ampkit/ a 1-epoch run executes, and those under it
 Under ``sys.settrace``, in this process's main thread (the checkpoint writer's is not
 followed): the script's import (the helpers' module-level lines: their definitions), then its
 ``main()``, one epoch of FakeData on the CPU (AlexNet at 64 px, batch 100: 10 steps, the fast
-input path). A line counts once however often it runs. "Under the epoch loop": executed while ``main()`` stands on a line of
-its ``for epoch`` loop, in whatever it calls: the lines executed, and the functions
-entered, whole (what a reader follows from the loop: the call tree).
+input path). A line counts once however often it runs. "Under the epoch loop": executed while
+``train()`` (the run) stands on a line of its ``for epoch`` loop, in whatever it calls: the
+lines executed, and the functions entered, whole (what a reader follows from the loop: the
+call tree).
 """
 from __future__ import annotations
 
@@ -37,10 +38,10 @@ def imported_helpers(script: str) -> list:
 
 
 def epoch_loop_lines(script: str) -> range:
-    """The lines of the ``for`` loop in the script's ``main()``."""
+    """The lines of the ``for`` loop in the script's ``train()``, its run."""
     tree = ast.parse((AMP / f"{script}.py").read_text())
-    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    loop = next(n for n in ast.walk(main) if isinstance(n, ast.For))
+    run = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    loop = next(n for n in ast.walk(run) if isinstance(n, ast.For))
     return range(loop.lineno, loop.end_lineno + 1)
 
 
@@ -53,7 +54,7 @@ def trace(script: str, argv: list) -> tuple:
     def local(frame, event, arg):
         if event == "line":
             file = frame.f_code.co_filename
-            if file == script_file and frame.f_code.co_name == "main":
+            if file == script_file and frame.f_code.co_name == "train":
                 in_loop[0] = frame.f_lineno in loop
             elif file.startswith(str(HELPERS)):
                 helpers.add((file, frame.f_lineno))

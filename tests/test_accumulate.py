@@ -76,7 +76,7 @@ def test_a_short_last_window_is_weighted_as_what_it_holds():
     micro-batch's mean loss's, not half of it."""
     from ampkit.distributed import DistInfo
     from ampkit.engine import train_one_epoch
-    from ampkit.meters import StepMeters
+    from helpers.meters import meters_of
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
@@ -92,7 +92,7 @@ def test_a_short_last_window_is_weighted_as_what_it_holds():
             want.extend(_grads(twin))
         return t.train_step(window)
 
-    stats = train_one_epoch(step, batches, DistInfo(device=CPU), meters=StepMeters(None),
+    stats = train_one_epoch(step, batches, DistInfo(device=CPU), meters=meters_of(t),
                             accum_steps=2)
     assert sizes == [2, 2, 1] and stats.steps == 3 and stats.images == 20
     assert _close(_grads(model), want, 1e-5), "the short window's gradient is not its own"
@@ -186,7 +186,7 @@ def test_a_stop_mid_window_saves_whole_steps_and_resume_counts_every_step(imagef
               timeout=300)
     assert res.returncode == 128 + signal.SIGTERM, res.stderr[-2000:]
     stopped = torch.load(run_dir / "last.pth", map_location="cpu", weights_only=True)
-    assert (stopped["epoch"], stopped["step"]) == (0, 2)
+    assert (stopped["progress"]["epoch"], stopped["progress"]["step"]) == (0, 2)
     assert _adam_steps(run_dir / "last.pth") == 2
     res = run_main("train_without", *flags, "--resume")
     assert res.returncode == 0, res.stderr[-2000:]

@@ -143,14 +143,14 @@ def test_fsdp_resumes_after_sigkill(imagefolder_root, tmp_path):
     wait_for((run_dir / "last.pth").exists, 180, proc)  # epoch 1 saved: kill in epoch 2 or so
     kill_job(proc.pid, signal.SIGKILL)  # every process of the job, mid-save or mid-epoch
     finish(proc, 60)
-    done = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"]
+    done = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["progress"]["epoch"]
     assert 1 <= done <= 2
     res = run_script("train_FSDP_GradScaler", *flags, "--resume", torchrun_nproc=2)
     assert res.returncode == 0, res.describe()
     if done < 2:
         assert f"resumed from {run_dir / 'last.pth'}: epoch {done + 1}" in res.stdout
     final = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)
-    assert final["epoch"] == 2 and final["scaler"]["scale"] > 0
+    assert final["progress"]["epoch"] == 2 and final["scaler"]["scale"] > 0
     assert "features.0.0.weight" in final["optimizer"]["state"]  # the full, gathered state
     rows = [json.loads(line)["epoch"] for line in (run_dir / "log.jsonl").read_text().splitlines()]
     assert rows == [1, 2]

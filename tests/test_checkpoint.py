@@ -124,7 +124,7 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
     original = checkpoint_writer.atomic_save
 
     def recording(obj, path):
-        writes.append((path.name, obj["epoch"], threading.current_thread().name))
+        writes.append((path.name, obj["progress"]["epoch"], threading.current_thread().name))
         original(obj, path)
 
     accuracies = iter([0.5, 0.4, 0.6])
@@ -143,7 +143,8 @@ def test_save_every_policy_and_background_thread(save_every, expected, imagefold
     assert [(name, epoch) for name, epoch, _ in writes] == expected
     assert {thread for *_, thread in writes} == {"checkpoint"}, "written in the background"
     run_dir = tmp_path / "train_without"
-    assert torch.load(run_dir / "best.pth", weights_only=True)["val_acc"] == pytest.approx(0.6)
+    best = torch.load(run_dir / "best.pth", weights_only=True)["progress"]
+    assert best["val_acc"] == pytest.approx(0.6)
     assert (run_dir / "best.pth").stat().st_ino == (run_dir / "last.pth").stat().st_ino
     assert [p.name for p in run_dir.glob(".*")] == [".lock"], "no temporary file left"
 
@@ -166,15 +167,15 @@ def test_best_is_a_second_name_that_the_next_saves_leave_alone(tmp_path):
 def test_an_entry_added_to_the_state_is_saved_and_resumed_by_its_name(tmp_path, capsys):
     """The script's state (name -> object) is the checkpoint: an entry a user adds to it (an
     EMA of the weights, say) is one line, saved beside the run's record and loaded back into
-    the object of the same name by a resume; an entry no object takes is said in the
-    resume's lines, not dropped in silence, and one missing from the checkpoint starts anew."""
+    the object of the same name by a resume, where the run stands among them; an entry no
+    object takes is said in the resume's lines, not dropped in silence, and one missing from
+    the checkpoint starts anew."""
     from torch import nn
 
-    from ampkit.checkpoint import LAST, Saver, restore, resume
+    from ampkit.checkpoint import LAST, CheckpointManager, Progress
     from ampkit.distributed import DistInfo
     from ampkit.errors import UserError
     from ampkit.flags import parse_train_args
-    from ampkit.run import RunLogger
 
     info, run_dir = DistInfo(torch.device("cpu")), tmp_path / "train_without"
     run_dir.mkdir()
@@ -184,24 +185,28 @@ def test_an_entry_added_to_the_state_is_saved_and_resumed_by_its_name(tmp_path, 
         torch.manual_seed(seed)
         network = nn.Linear(4, 3)
         return {"model": network, "optimizer": torch.optim.AdamW(network.parameters(), lr=1e-3),
-                **extra}
+                "progress": Progress(), **extra}
+
+    def manager(state, argv):
+        return CheckpointManager(run_dir, state, info, save_every="1", epochs=2, num_classes=3,
+                                 args=parse_train_args("train_without", argv))
 
     state = objects(0, ema=nn.Linear(4, 3))  # the EMA: a second set of weights
-    resumed = resume(None, run_dir, state["model"], info, init_from=None,
-                     args=parse_train_args("train_without", flags))
-    with Saver(run_dir, info, resumed, state, save_every="1", epochs=2, num_classes=3,
-               args=parse_train_args("train_without", flags)) as saver:
-        saver.save(1, val_acc=0.5)
-        saver.finish()
-    assert torch.equal(torch.load(run_dir / LAST, weights_only=True)["ema"]["weight"],
-                       state["ema"].weight)
+    with manager(state, flags) as checkpoint:
+        checkpoint.load(None, init_from=None, say=print)
+        checkpoint.save(1, val_acc=0.5)
+        checkpoint.writer.wait()
+    saved = torch.load(run_dir / LAST, weights_only=True)
+    assert torch.equal(saved["ema"]["weight"], state["ema"].weight)
+    assert saved["progress"] | {"so_far": None} == {"epoch": 1, "step": 0, "best_acc": 0.5,
+                                                   "best_epoch": 1, "val_acc": 0.5,
+                                                   "so_far": None}
 
-    args = parse_train_args("train_without", flags + ["--resume"])
     for given in (True, False):
         state2 = objects(1, **({"ema": nn.Linear(4, 3)} if given else {}))
-        resumed = resume("auto", run_dir, state2["model"], info, init_from=None, args=args)
-        restore(resumed, state2, RunLogger(True), args=args)
+        manager(state2, flags + ["--resume"]).load("auto", init_from=None, say=print)
         assert torch.equal(state2["model"].weight, state["model"].weight)
+        assert state2["progress"].epoch == 1 and state2["progress"].best_acc == 0.5
         if given:
             assert torch.equal(state2["ema"].weight, state["ema"].weight)
         said = capsys.readouterr().out
@@ -211,15 +216,13 @@ def test_an_entry_added_to_the_state_is_saved_and_resumed_by_its_name(tmp_path, 
     # optimizer missing too); a saved state that does not fit its object is one line.
     state3 = objects(2, swa=nn.Linear(4, 3))
     del state3["optimizer"]
-    resumed = resume("auto", run_dir, state3["model"], info, init_from=None, args=args)
-    restore(resumed, state3, RunLogger(True), args=args)
+    manager(state3, flags + ["--resume"]).load("auto", init_from=None, say=print)
     said = capsys.readouterr().out
     assert "swa starts anew: the checkpoint holds none" in said
     assert "the checkpoint's 'optimizer' is not restored" in said
     state4 = objects(3, ema=nn.Linear(4, 5))
-    resumed = resume("auto", run_dir, state4["model"], info, init_from=None, args=args)
     with pytest.raises(UserError, match=r"its 'ema' does not fit this run's ema \(.*size"):
-        restore(resumed, state4, RunLogger(True), args=args)
+        manager(state4, flags + ["--resume"]).load("auto", init_from=None, say=print)
 
 
 class _Unsafe:
@@ -234,28 +237,28 @@ class _Unsafe:
 
 @pytest.mark.parametrize("entry,why", [
     (_Unsafe(), r"'bad' \(_Unsafe\) cannot be saved and loaded back with "
-                r"torch.load\(weights_only=True\): its state_dict\(\) holds pathlib"),
+                r"torch.load\(weights_only=True\): its state_dict\(\) holds pathlib.PosixPath"),
     (object(), r"'bad' \(object\) has no state_dict\(\) and load_state_dict\(\)"),
 ])
 def test_an_entry_that_cannot_be_loaded_safely_is_refused_as_the_run_starts(
         tmp_path, entry, why, monkeypatch):
     """An entry whose state a weights_only load would refuse (or that has no state dict) is
-    one line as the Saver is made -- before any epoch is spent, not at the first save -- and
-    on every rank alike: a rank whose own entry passes stops too, naming the rank that
-    refused."""
+    one line as the checkpoint manager is made -- before any epoch is spent, not at the
+    first save -- and on every rank alike: a rank whose own entry passes stops too, naming
+    the rank that refused."""
     from torch import nn
 
-    from ampkit.checkpoint import Resumed, Saver, saver as saver_module
+    from ampkit.checkpoint import CheckpointManager, Progress, files, manager as manager_module
     from ampkit.distributed import DistInfo
     from ampkit.errors import UserError
     from ampkit.flags import parse_train_args
 
     args = parse_train_args("train_without", ["--dataset", "FakeData"])
-    network = nn.Linear(4, 3)
+    network, progress = nn.Linear(4, 3), Progress()
 
     def make(state, info):
-        return Saver(tmp_path, info, Resumed(), state, save_every="1", epochs=1,
-                     num_classes=3, args=args)
+        return CheckpointManager(tmp_path, state | {"progress": progress}, info, save_every="1",
+                                 epochs=1, num_classes=3, args=args)
 
     make({"model": network, "scheduler": None}, DistInfo(torch.device("cpu")))  # None: skipped
     with pytest.raises(UserError, match=why):
@@ -263,8 +266,8 @@ def test_an_entry_that_cannot_be_loaded_safely_is_refused_as_the_run_starts(
     with pytest.raises(UserError, match="must name the weights 'model'.*: it names epoch"):
         make({"model": network, "epoch": network}, DistInfo(torch.device("cpu")))
     # Rank 0 of two, whose own state is fine, hears rank 1's refusal through the gather.
-    rank1 = saver_module.refusal({"model": network, "bad": entry})
-    monkeypatch.setattr(saver_module, "gather_from_ranks", lambda items, info: items + [rank1])
+    rank1 = files.unsaveable({"model": network, "bad": entry})
+    monkeypatch.setattr(manager_module, "gather_from_ranks", lambda items, info: items + [rank1])
     with pytest.raises(UserError, match="rank 1: .*" + why):
         make({"model": network}, DistInfo(torch.device("cpu"), rank=0, world_size=2))
 

@@ -86,13 +86,13 @@ def test_speedups_divide_by_train_without_and_refuse_a_missing_baseline():
     assert set(ratios.values()) == {None} and "train_without failed" in note
 
 
-def test_memory_kind_says_gpu_allocated_or_rss():
-    assert report.memory_kind(_result("train_DP", peak_mem_mb=900.0, device="cuda")) == \
+def test_peak_memory_kind_says_gpu_allocated_or_rss():
+    assert report.peak_memory_kind(_result("train_DP", peak_mem_mb=900.0, device="cuda")) == \
         "GPU allocated"
-    assert report.memory_kind(_result("train_DP", peak_mem_mb=900.0)) == "process RSS"
-    assert report.memory_kind(_result("train_DP", peak_mem_mb=900.0, device="cuda",
+    assert report.peak_memory_kind(_result("train_DP", peak_mem_mb=900.0)) == "process RSS"
+    assert report.peak_memory_kind(_result("train_DP", peak_mem_mb=900.0, device="cuda",
                                       source="rss")) == "process RSS"
-    assert report.memory_kind(_result("train_DP")) == ""
+    assert report.peak_memory_kind(_result("train_DP")) == ""
 
 
 def _panel_texts(ax):
@@ -929,16 +929,20 @@ def test_the_figure_draws_the_target_as_a_labelled_line():
     assert len(fig.axes[0].get_lines()) == 1  # no target, no line
 
 
-@pytest.mark.parametrize("script", ["compare", "benchmark"])
+@pytest.mark.parametrize("script", ["compare", "benchmark", "train_DDP", "eval_DP"])
 def test_help_says_each_default_once(script):
     """An option's help says its default once: in its own words, or argparse's "(default:
-    X)" where it has a value; never twice, never "(default: None)"."""
+    X)" where it has a value; never twice, never "(default: None)". The train and eval
+    scripts' flags too (their one formatter, ampkit.flags.DefaultsOnce)."""
     import argparse
 
     import compare
+    from ampkit.flags import eval_parser, train_parser
     from tools import benchmark_flags
 
-    parser = {"compare": compare.build_parser, "benchmark": benchmark_flags.build_parser}[script]()
+    parser = {"compare": compare.build_parser, "benchmark": benchmark_flags.build_parser,
+              "train_DDP": lambda: train_parser("train_DDP", process_group=True),
+              "eval_DP": lambda: eval_parser("eval_DP")}[script]()
     res = run_main(script, "--help")
     assert res.returncode == 0, res.describe()
     blocks, text = {}, res.stdout.split("\noptions:\n", 1)[1]
@@ -948,7 +952,7 @@ def test_help_says_each_default_once(script):
             blocks[name] = ""
         if blocks:
             blocks[name] += " " + line
-    assert "--seeds" in blocks or "--steps" in blocks
+    assert {"--seeds", "--steps", "--lr", "--autocast"} & set(blocks)
     for action in parser._actions:
         if not action.option_strings or action.option_strings[0] == "-h":
             continue

@@ -72,11 +72,11 @@ def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
     .item(), a blocking copy, GradScaler reading its inf flag) raises. ``vote``: in an
     NCCL group, with the ranks' stop vote after every step (on its gloo group, a CPU
     tensor: reading it must not wait for the GPU)."""
-    from ampkit.distributed import Ballots, this_process
-    from ampkit.stop import StopVote
+    from ampkit.distributed import StopChannel, this_process
+    from ampkit.stop import Stop
     from ampkit.engine import train_one_epoch
-    from ampkit.meters import StepMeters
-    from ampkit.stop import StopFlag
+    from helpers.meters import meters_of
+    from ampkit.stop import StopRequest
 
     if vote:
         request.getfixturevalue("nccl_of_one")
@@ -105,8 +105,8 @@ def test_training_steps_never_sync_the_host(variant, dtype, vote, request):
         info = this_process(dev)
         assert info.distributed == vote
         stats = train_one_epoch(v.train_step, stream(), info, log_every=1000,
-                                meters=StepMeters(v.scaler),
-                                stop=StopVote(StopFlag(), Ballots(info)) if vote else None)
+                                meters=meters_of(v, info),
+                                stop=Stop(StopRequest(), StopChannel(info)) if vote else None)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert checked == [2, 3, 4, 5, 6, 7]

@@ -120,10 +120,10 @@ def test_an_epoch_and_its_evaluation_keep_cudas_rules(script, dataset, group, im
 
     from ampkit.data import build_loaders
     from ampkit.data.order import one_process_sampler
-    from ampkit.distributed import Ballots, this_process
-    from ampkit.stop import voting
+    from ampkit.distributed import StopChannel, this_process
+    from ampkit.stop import stopping
     from ampkit.engine import count_correct, train_one_epoch
-    from ampkit.meters import StepMeters
+    from helpers.meters import meters_of
 
     if group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -134,10 +134,10 @@ def test_an_epoch_and_its_evaluation_keep_cudas_rules(script, dataset, group, im
             rules.on_device(technique.model)
             data = build_loaders(dataset, imagefolder_root, 32, 16, info)
             loader = data.train_loader(one_process_sampler(data.train_size, seed=0))
-            with voting(Ballots(info), print, exiting=False) as vote:
+            with stopping(StopChannel(info), print, exiting=False) as vote:
                 with rules.window():
                     stats = train_one_epoch(technique.train_step, loader, info, log_every=2,
-                                            meters=StepMeters(technique.scaler), stop=vote)
+                                            meters=meters_of(technique, info), stop=vote)
                     counts = count_correct(technique.model, data.val, info, technique.autocast)
     finally:
         if group:

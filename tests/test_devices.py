@@ -357,9 +357,9 @@ def test_the_header_reads_the_precision_and_dataparallel_from_the_objects():
                            image_shape=(3, 64, 64), batch_size=2, kind="fast")
     info, net = DistInfo(device=torch.device("cpu")), torch.nn.Linear(2, 2)
 
-    def precision(variant, technique, amp_dtype=torch.bfloat16, **kw):
-        line = header_line(variant, technique, data, info, amp_dtype=amp_dtype, accum_steps=1,
-                           clip_grad=None, fp32_math="", **kw)
+    def precision(variant, technique, **kw):
+        line = header_line(variant, technique, data, info, accum_steps=1, clip_grad=None,
+                           fp32_math="", **kw)
         return line.split("precision ")[1].split(",")[0], line
 
     plain = Technique(net, None, None)
@@ -368,7 +368,7 @@ def test_the_header_reads_the_precision_and_dataparallel_from_the_objects():
     assert precision("mine", policy)[0] == "MixedPrecisionPolicy (bfloat16)"
     assert precision("train_FSDP_mixed", plain)[0] == "fp32"
     assert precision("mine", autocast)[0] == "autocast (bfloat16)"
-    assert precision("mine", plain, amp_dtype=None)[0] == "fp32"
+    assert precision("mine", plain)[0] == "fp32"
     note = "on cpu (DataParallel is CUDA's: on the cpu the model runs as it is)"
-    assert note in precision("mine", plain, None, data_parallel=True)[1]
-    assert "DataParallel" not in precision("train_DP", plain, None)[1]
+    assert note in precision("mine", plain, data_parallel=True)[1]
+    assert "DataParallel" not in precision("train_DP", plain)[1]

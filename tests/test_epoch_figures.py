@@ -34,7 +34,7 @@ def test_skipped_steps_are_each_epochs_own():
     (5 on this project's machine), until the halved scale fits."""
     from ampkit.distributed import DistInfo
     from ampkit.engine import train_one_epoch
-    from ampkit.meters import StepMeters
+    from helpers.meters import meters_of
     from tools.variants import build_variant
 
     t = build_variant("train_GradScaler", _tiny_net())
@@ -42,7 +42,8 @@ def test_skipped_steps_are_each_epochs_own():
     gen = torch.Generator().manual_seed(0)
     batches = [(1000 * torch.randn(4, 3, 16, 16, generator=gen),
                 torch.randint(0, 3, (4,), generator=gen)) for _ in range(12)]
-    meters, info = StepMeters(t.scaler), DistInfo(device=CPU)
+    info = DistInfo(device=CPU)
+    meters = meters_of(t, info)
     first = train_one_epoch(t.train_step, batches, info, max_nonfinite=None, meters=meters)
     second = train_one_epoch(t.train_step, batches, info, max_nonfinite=None, meters=meters)
     assert 1 <= first.skipped < 12, first

@@ -23,7 +23,7 @@ from torch.utils.data import DistributedSampler
 
 from ampkit.distributed import DistInfo
 from ampkit.errors import UserError
-from ampkit.data.classic import eval_loader, train_loader
+from ampkit.data.classic import eval_dataloader, train_dataloader
 from ampkit.data.datasets import STD, build_datasets, build_transform
 from ampkit.data.order import one_process_sampler
 from ampkit.data import build_loaders
@@ -91,7 +91,7 @@ def test_training_order_and_flips_match_classic(cifar_root):
     train_set, _, _ = fast_loaders("CIFAR10", cifar_root, img_size, 8, info())
     fast_order, classic_order = (one_process_sampler(len(train_set), 3) for _ in range(2))
     train = train_set.loader(fast_order)
-    classic_dl = train_loader(classic.train, classic_order, batch_size=8, img_size=img_size)
+    classic_dl = train_dataloader(classic.train, classic_order, batch_size=8, img_size=img_size)
     for epoch in (0, 1):
         fast_order.set_epoch(epoch)
         classic_order.set_epoch(epoch)
@@ -227,7 +227,7 @@ def test_validation_shards_cover_each_sample_once(n):
 def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
     from alexnet import alexnet
     from ampkit.engine import count_correct, train_one_epoch
-    from ampkit.meters import StepMeters
+    from helpers.meters import meters_of
     from tools.variants import build_variant
 
     torch.manual_seed(0)  # same initial weights, dropout and (classic) flip streams
@@ -243,7 +243,7 @@ def train_and_evaluate(train_dl, val_dl, num_classes, epochs=4):
         train_dl.sampler.sampler.set_epoch(epoch)
         model.train()
         losses.append(train_one_epoch(v.train_step, train_dl, info(),
-                                      meters=StepMeters(None)).loss)
+                                      meters=meters_of(v)).loss)
     correct, total = count_correct(model, val_dl, info()).tolist()
     return correct / total, losses
 
@@ -256,8 +256,8 @@ def test_fast_path_learns_as_well_as_classic(tmp_path):
     fast_acc, fast_losses = train_and_evaluate(train_set.loader(), val_dl, num_classes)
     data = build_datasets("CIFAR10", root, img_size, download=False)
     classic_acc, classic_losses = train_and_evaluate(
-        train_loader(data.train, batch_size=batch, img_size=img_size, seed=0),
-        eval_loader(data.val, info(), batch_size=batch, img_size=img_size), data.num_classes)
+        train_dataloader(data.train, batch_size=batch, img_size=img_size, seed=0),
+        eval_dataloader(data.val, info(), batch_size=batch, img_size=img_size), data.num_classes)
     # 4 classes (chance 0.25). Measured: 1.0 on both paths, losses 1.94 -> 0.7.
     assert fast_acc >= 0.7 and classic_acc >= 0.7, (fast_acc, classic_acc)
     assert fast_acc >= classic_acc - 0.25, (fast_acc, classic_acc)

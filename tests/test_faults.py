@@ -283,7 +283,7 @@ def _first_run(imagefolder_root, tmp_path, capsys, *extra) -> Path:
 @pytest.mark.slow
 def test_full_disk_is_found_before_writing(imagefolder_root, tmp_path, capsys, monkeypatch):
     run_dir = _first_run(imagefolder_root, tmp_path, capsys)
-    before = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"]
+    before = torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["progress"]["epoch"]
     from ampkit.checkpoint import writer as checkpoint_writer
 
     usage = shutil.disk_usage(run_dir)
@@ -294,7 +294,8 @@ def test_full_disk_is_found_before_writing(imagefolder_root, tmp_path, capsys, m
     line = _one_line(code, err)
     assert "cannot save" in line and "50 MB free" in line and str(run_dir) in line, line
     assert "is unchanged" in line, line
-    assert torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"] == before
+    assert torch.load(run_dir / "last.pth", weights_only=True,
+                      mmap=True)["progress"]["epoch"] == before
     assert not list(run_dir.glob(".*.tmp"))
 
 
@@ -350,13 +351,13 @@ def test_second_run_in_the_same_folder_is_refused_until_the_first_dies(imagefold
 
 
 def test_log_survives_a_kill_mid_write(tmp_path):
-    """A partial last line (the process killed while writing it) and rows of epochs the
-    checkpoint does not hold are dropped when the run resumes; the rest stays JSON lines."""
+    """A partial last line (the process killed while writing it) and rows of the epochs the
+    resumed run trains again are dropped at its first row; the rest stays JSON lines."""
     from ampkit.run import RunLogger
 
     log = tmp_path / "log.jsonl"
     log.write_text('{"epoch": 1, "val_acc": 0.5}\n{"epoch": 2, "val_acc": 0.6}\n{"epoch": 3, "va')
-    logger = RunLogger(True, None, log, resume_epoch=1)
+    logger = RunLogger(True, None, log)
     logger.record({"epoch": 2, "val_acc": 0.7})
     logger.close()
     assert [json.loads(line) for line in log.read_text().splitlines()] == \
@@ -391,7 +392,8 @@ def test_resume_with_other_data_or_size_says_what_differs(imagefolder_root, cifa
     for words in ("--dataset ImageFolder (this run: CIFAR10)", "--img_size 64 (this run: 80)",
                   f"--dataset_root {imagefolder_root}"):
         assert words in line, line
-    assert torch.load(run_dir / "last.pth", weights_only=True, mmap=True)["epoch"] == 1
+    assert torch.load(run_dir / "last.pth", weights_only=True,
+                      mmap=True)["progress"]["epoch"] == 1
 
 
 @pytest.mark.slow

@@ -213,8 +213,10 @@ def test_a_damaged_checkpoint_is_refused_or_loaded_unchanged(checkpoint, tmp_pat
 
 
 # Where an entry of a checkpoint may be replaced: the run's record, its flags, each state.
-ENTRIES = [("epoch",), ("step",), ("best_acc",), ("best_epoch",), ("val_acc",), ("arch",),
-           ("num_classes",), ("variant",), ("world_size",), ("args",), ("args", "batch_size"),
+ENTRIES = [("progress", "epoch"), ("progress", "step"), ("progress", "best_acc"),
+           ("progress", "best_epoch"), ("progress", "val_acc"), ("progress", "so_far"),
+           ("progress",), ("arch",), ("num_classes",), ("variant",), ("world_size",),
+           ("args",), ("args", "batch_size"),
            ("args", "img_size"), ("args", "dataset"), ("model",), ("model", "conv1.0.weight"),
            ("model", "fc.bias"), ("optimizer",), ("optimizer", "state"),
            ("optimizer", "param_groups"), ("optimizer", "param_groups", 0, "lr"),
@@ -259,7 +261,9 @@ def _as_a_run_writes(name: str, value) -> bool:
             type(value) in (int, float) and low <= value <= 1)
     if name in ("arch", "variant", "torch_version"):
         return isinstance(value, str)
-    return name != "args" or isinstance(value, dict)
+    if name in ("args", "progress"):
+        return isinstance(value, dict)
+    return name != "so_far" or value is None or isinstance(value, dict)
 
 
 @examples(quick=6, thorough=400)
@@ -267,7 +271,7 @@ def _as_a_run_writes(name: str, value) -> bool:
 # A scalar moment reached fused AdamW's kernel, which crashed the process (SIGSEGV).
 @example(where=("optimizer", "state", 0, "exp_avg"), value=torch.tensor(0.0))
 # A NaN best accuracy, which no epoch beats: best.pth would never be written again.
-@example(where=("best_acc",), value=float("nan"))
+@example(where=("progress", "best_acc"), value=float("nan"))
 def test_a_checkpoint_entry_of_the_wrong_kind_is_one_line(checkpoint, mini_imagefolder_root,
                                                           tmp_path_factory, where, value):
     """An entry of a real checkpoint replaced by a value of another kind or range, or
@@ -284,6 +288,7 @@ def test_a_checkpoint_entry_of_the_wrong_kind_is_one_line(checkpoint, mini_image
     lines = run.stderr.strip().splitlines()
     assert "Traceback" not in run.stderr and (run.returncode == 0 or len(lines) == 1), \
         run.describe()
-    if len(where) == 1 and value is not GONE and not _as_a_run_writes(where[0], value):
-        assert run.returncode == 2 and f"its {where[0]!r} is" in run.stderr, run.describe()
+    field = where[-1] if where[0] == "progress" else where[0] if len(where) == 1 else None
+    if field and value is not GONE and not _as_a_run_writes(field, value):
+        assert run.returncode == 2 and repr(field) in run.stderr, run.describe()
     TALLY["checkpoint entries", "ran" if run.returncode == 0 else "refused"] += 1

@@ -43,7 +43,7 @@ def test_benchmark_profile_traces_each_variant(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(benchmark, "parse_args", lambda argv=None: args)
     args.profile_dir = tmp_path / "profile"
     assert benchmark.main() == 0
-    assert _trace_events(tmp_path / "profile" / "trace_train_without.json")
+    assert _trace_events(tmp_path / "profile" / "train_without" / "trace_rank0.json")
     assert "Self CPU" in capsys.readouterr().out
 
 

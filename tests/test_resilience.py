@@ -57,7 +57,7 @@ def test_sigkill_mid_epoch_then_resume_completes(imagefolder_root, tmp_path):
     wait_for(lambda: (run_dir / "last.pth").exists(), 120, proc)
     kill_job(proc.pid, signal.SIGKILL)
     assert finish(proc, 60).returncode == -signal.SIGKILL
-    done = _load(run_dir / "last.pth")["epoch"]
+    done = _load(run_dir / "last.pth")["progress"]["epoch"]
     assert 1 <= done < 4
 
     rc, out, err = run_main("train_without", *_tiny(imagefolder_root, ckpt, "--epochs", "4",
@@ -65,7 +65,7 @@ def test_sigkill_mid_epoch_then_resume_completes(imagefolder_root, tmp_path):
     assert rc == 0, err
     assert f"resumed from {run_dir / 'last.pth'}: epoch {done + 1}" in out
     final = _load(run_dir / "last.pth")
-    assert final["epoch"] == 4 and final["step"] == 0
+    assert final["progress"]["epoch"] == 4 and final["progress"]["step"] == 0
     # Every epoch logged once: at most the epoch in progress was lost, nothing was repeated.
     assert _epochs_logged(run_dir) == list(range(1, 5))
     assert not list(run_dir.glob(".*.tmp"))
@@ -83,21 +83,22 @@ def test_sigkill_during_save_keeps_previous_checkpoint(imagefolder_root, tmp_pat
     assert "killed in save 2 on thread checkpoint" in err, err  # the background writer
     assert list(run_dir.glob(".*.tmp")), "the killed save should have left its temp file"
     before = _load(run_dir / "last.pth")       # the previous checkpoint is intact
-    assert before["epoch"] == 1
+    assert before["progress"]["epoch"] == 1
     _load(run_dir / "best.pth")
 
     rc, out, err = run_main("train_GradScaler", *_tiny(imagefolder_root, ckpt, "--epochs", "2",
                                                           "--resume"))
     assert rc == 0, err
     after = _load(run_dir / "last.pth")
-    assert after["epoch"] == 2
+    assert after["progress"]["epoch"] == 2
     assert after["scaler"] is not None and after["scaler"]["scale"] > 0
     assert not list(run_dir.glob(".*.tmp")), "stale temp files are cleaned up"
 
 
 def _best_matches_the_record(run_dir: Path) -> dict:
     last, best = _load(run_dir / "last.pth"), _load(run_dir / "best.pth")
-    assert (best["epoch"], best["val_acc"]) == (last["best_epoch"], last["best_acc"])
+    held, record = best["progress"], last["progress"]
+    assert (held["epoch"], held["val_acc"]) == (record["best_epoch"], record["best_acc"])
     return best
 
 
@@ -130,7 +131,8 @@ def test_a_kill_in_best_after_save_every_0_is_repaired_by_resume(imagefolder_roo
     rc, out, err = _run_faulty("train_without", *flags, env={"FAULT_KILL_IN_SAVE": "2"})
     assert rc == -signal.SIGKILL and "killed in save 2" in err, err
     last = _load(run_dir / "last.pth")
-    assert (last["epoch"], last["best_epoch"]) == (2, 1) and not (run_dir / "best.pth").exists()
+    assert (last["progress"]["epoch"], last["progress"]["best_epoch"]) == (2, 1)
+    assert not (run_dir / "best.pth").exists()
     rc, out, err = run_main("train_without", *flags, "--resume")
     assert rc == 0 and "restored epoch 1" in out, out + err
     best = _best_matches_the_record(run_dir)
@@ -158,7 +160,7 @@ def test_second_ctrl_c_during_a_save_ends_cleanly(imagefolder_root, tmp_path):
     assert "terminate called" not in err and "Traceback" not in err, err[-2000:]
     line = err.strip().splitlines()[-1]
     assert "interrupted" in line and "holds epoch 1" in line and "epoch 2" in line, line
-    assert _load(run_dir / "last.pth")["epoch"] == 1
+    assert _load(run_dir / "last.pth")["progress"]["epoch"] == 1
     assert not list(run_dir.glob(".*.tmp")), "a temporary file was left behind"
 
 
@@ -187,7 +189,8 @@ def test_resume_carries_scheduler_scaler_and_epoch_count(imagefolder_root, tmp_p
     assert "lr 3.00e-04" in out
     assert "scale 1024" in out or "scale 2048" in out
     resumed = _load(run_dir / "last.pth")
-    assert resumed["epoch"] == 2 and resumed["optimizer"]["param_groups"][0]["fused"] is True
+    assert resumed["progress"]["epoch"] == 2
+    assert resumed["optimizer"]["param_groups"][0]["fused"] is True
     assert _epochs_logged(run_dir) == [1, 2]
 
     # Resuming a finished run (in-process, fast): says so, trains nothing, rewrites nothing.
@@ -237,7 +240,7 @@ def test_torchrun_max_restarts_resumes_and_finishes(imagefolder_root, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
     assert f"resumed from {run_dir / 'last.pth'}: epoch 2" in res.stdout
-    assert _load(run_dir / "last.pth")["epoch"] == 3
+    assert _load(run_dir / "last.pth")["progress"]["epoch"] == 3
     assert _epochs_logged(run_dir)[-1] == 3
 
 
@@ -278,7 +281,7 @@ def test_two_nodes_on_localhost_train_to_the_end(imagefolder_root, tmp_path):
     assert len(lines) == 1, ends[0].stderr[-3000:]
     assert f"rank 1 on {socket.gethostname()}" in lines[0], lines
     assert str(other / "train_DDP" / "last.pth") in lines[0] and "must be shared" in lines[0]
-    assert _load(ckpt / "train_DDP" / "last.pth")["epoch"] == 1  # nothing trained on
+    assert _load(ckpt / "train_DDP" / "last.pth")["progress"]["epoch"] == 1  # nothing trained on
 
 
 # --- safe loading -----------------------------------------------------------------------------
@@ -393,7 +396,7 @@ def _nan_model_run(variant: str):
     from torch import nn
 
     from ampkit.distributed import DistInfo
-    from ampkit.meters import StepMeters
+    from helpers.meters import meters_of
     from tools.variants import build_variant
 
     cpu = torch.device("cpu")
@@ -406,7 +409,7 @@ def _nan_model_run(variant: str):
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randn(2, 3, 64, 64, generator=gen), torch.randint(0, 3, (2,), generator=gen))
                for _ in range(8)]
-    return v.train_step, batches, DistInfo(device=cpu), StepMeters(v.scaler)
+    return v.train_step, batches, DistInfo(device=cpu), meters_of(v)
 
 
 def test_nonfinite_loss_without_scaler_stops_with_clear_error():

@@ -81,7 +81,8 @@ def test_sigterm_to_a_whole_torchrun_job_stops_it_and_the_resume_ends_bit_for_bi
     epochs, step = ((int(stopped.group(1)) - 1, int(stopped.group(2))) if stopped.group(1)
                     else (int(stopped.group(3)), 0))
     state = _load(run_dir / "last.pth")
-    assert (state["epoch"], state["step"]) == (epochs, step), "both ranks stopped, rank 0 saved"
+    assert (state["progress"]["epoch"], state["progress"]["step"]) == (epochs, step), \
+        "both ranks stopped, rank 0 saved"
     logged = [json.loads(row)["epoch"] for row in (run_dir / "log.jsonl").read_text().splitlines()]
     assert logged == list(range(1, epochs + 1))
 
@@ -89,7 +90,7 @@ def test_sigterm_to_a_whole_torchrun_job_stops_it_and_the_resume_ends_bit_for_bi
                     *_flags(imagefolder_root, ckpt, *flags), "--resume")
     assert res.returncode == 0 and "done: train_DDP, 3 epochs" in res.stdout, res.stderr[-3000:]
     want, got = (_load(folder / "train_DDP" / "last.pth") for folder in (whole, ckpt))
-    for key in ("model", "optimizer", "epoch", "step", "best_acc"):
+    for key in ("model", "optimizer", "progress"):
         _assert_equal_states(got[key], want[key], key)
 
 

@@ -214,13 +214,14 @@ def test_checkpoint_is_prefix_free_and_complete(variant, runs):
     # last.pth is the full training state; best.pth the checkpoint of the best epoch (with
     # --save_every 1, that epoch's last.pth itself: its full state too).
     assert (last.get("scaler") is not None) == variant.endswith("GradScaler")
-    assert {"optimizer", "scheduler", "rng"} <= set(last)
-    assert last["epoch"] == run.epochs
+    assert {"optimizer", "scheduler", "rng", "progress"} <= set(last)
+    assert last["progress"]["epoch"] == run.epochs
     rows = run.log_rows()
     best_row = max(reversed(rows), key=lambda r: r["val_acc"])  # the first of equal bests
     best = _load(run.run_dir / "best.pth")
-    assert best["val_acc"] == pytest.approx(best_row["val_acc"])
-    assert best["epoch"] == best_row["epoch"] and {"optimizer", "scheduler"} <= set(best)
+    assert best["progress"]["val_acc"] == pytest.approx(best_row["val_acc"])
+    assert best["progress"]["epoch"] == best_row["epoch"]
+    assert {"optimizer", "scheduler"} <= set(best)
 
 
 def test_learning_happens(runs):

@@ -75,12 +75,12 @@ def test_loader_workers_ignore_stop_signals_from_outside_but_end_with_their_proc
     """The classic loader's workers go on through a SIGTERM, SIGUSR1 or SIGINT that another
     process sends them (a scheduler signalling the job's whole group), and end when their own
     process terminates them, as ``multiprocessing`` does at its exit."""
-    from ampkit.data.classic import train_loader
+    from ampkit.data.classic import train_dataloader
     from ampkit.data.datasets import build_datasets
 
     before = children()
     train_set = build_datasets("ImageFolder", imagefolder_root, 32, download=False).train
-    loader = train_loader(train_set, batch_size=4, num_workers=2, img_size=32)
+    loader = train_dataloader(train_set, batch_size=4, num_workers=2, img_size=32)
     batches = iter(loader)
     next(batches)
     workers = children() - before

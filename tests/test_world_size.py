@@ -75,7 +75,7 @@ def test_a_signal_to_one_rank_stops_every_rank_a_step_later(nproc, rank, signal_
     status = 128 + {"SIGTERM": 15, "SIGINT": 2}[signal_name]
     assert _exit_codes(res.stderr) == {r: status for r in range(nproc)}, res.stderr[-3000:]
     state = _load(ckpt / "train_DDP" / "last.pth")
-    assert (state["epoch"], state["step"]) == (1, 3)
+    assert (state["progress"]["epoch"], state["progress"]["step"]) == (1, 3)
     assert_no_traceback_of_ours(out, res.stderr)
     # The resume from such a step, to the end and bit for bit: below at 3 ranks,
     # test_scheduler_stops.py (a torchrun job at 2 ranks) and test_stop_rule.py (from an
@@ -173,7 +173,7 @@ def test_every_rank_must_load_what_rank_0_loads(tmp_path):
     """One gather of what each rank loaded: every rank must have read rank 0's bytes (a copy
     on another node is the same file), or like rank 0 none; else every rank stops with one
     line naming the first rank that differs, its host and path."""
-    from ampkit.checkpoint.resume import agree
+    from ampkit.checkpoint.manager import agree
     from ampkit.errors import UserError
 
     last = tmp_path / "last.pth"
@@ -266,29 +266,30 @@ def test_the_identity_covers_every_byte_loaded_and_a_damaged_one_is_refused(tmp_
 @pytest.mark.parametrize("group", [False, True])
 def test_the_stop_lands_after_the_step_or_with_peers_the_next(group, request):
     """A signal during step 3 of 10 (--log_every 20): one process stops after step 3; in a
-    process group, where the vote cast after step 3 is read after step 4, after step 4.
+    process group, where what is sent after step 3 is received after step 4, after step 4.
     Either way the epoch ends there, at any --log_every."""
-    from ampkit.distributed import Ballots, this_process
-    from ampkit.stop import StopVote
+    from ampkit.distributed import StopChannel, this_process
     from ampkit.engine import train_one_epoch
-    from ampkit.meters import StepMeters
-    from ampkit.stop import StopFlag
+    from ampkit.stop import Stop, StopRequest
+    from helpers.meters import meters_of
+    from tools.variants import build_variant
 
     if group:
         request.getfixturevalue("gloo_of_one")
     info = this_process(torch.device("cpu"))
     assert info.distributed == group
-    flag, steps = StopFlag(), []
+    request, steps = StopRequest(), []
 
     def step(micro_batches):
         steps.append(1)
         if len(steps) == 3:
-            flag.request("SIGTERM")
+            request.ask("SIGTERM")
         return [torch.tensor(1.0)], torch.tensor(1.0)
 
     batches = [(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long))] * 10
-    stats = train_one_epoch(step, batches, info, meters=StepMeters(None),
-                            stop=StopVote(flag, Ballots(info)), log_every=20)
+    meters = meters_of(build_variant("train_without", torch.nn.Linear(1, 1)), info)
+    stats = train_one_epoch(step, batches, info, meters=meters,
+                            stop=Stop(request, StopChannel(info)), log_every=20)
     assert stats.stopped_at == len(steps) == (4 if group else 3)
 
 
@@ -316,13 +317,16 @@ def test_the_set_up_builds_one_model_and_gives_each_rank_a_stream_of_its_own():
     same rank and seed."""
     import torch.nn.functional as F
 
+    from types import SimpleNamespace
+
     from ampkit.distributed import DistInfo
     from ampkit.models import make_network
 
     weights, masks = [], []
+    data = SimpleNamespace(num_classes=3, train_size=0)
     for rank in (0, 1, 0):
         info = DistInfo(torch.device("cpu"), rank=rank, world_size=2, distributed=True)
-        network = make_network(FSDP_ARCH, 3, info, seed=3)
+        network = make_network(FSDP_ARCH, data, info, seed=3)
         weights.append(network.state_dict())
         masks.append(F.dropout(torch.ones(256), p=0.5, training=True))
     assert all(torch.equal(w[k], weights[0][k]) for w in weights[1:] for k in weights[0])

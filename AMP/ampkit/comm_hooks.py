@@ -1,11 +1,11 @@
 """What DDP's all-reduce sends (``--comm_hook``): PyTorch's own comm hooks, wrapped so that
 they count their bytes and, under a GradScaler, PowerSGD's error feedback follows the scale.
 ``--comm_hook none`` builds no :class:`CommHook`: DDP's all-reduce runs in C++, untouched. The
-hooks hold no collective of their own beyond PyTorch's."""
+hooks hold no collective of their own beyond PyTorch's; :func:`wire_per_step` is what a step sends."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
@@ -174,3 +174,15 @@ class CommHook:
 def default_start_iter(total_steps: int) -> int:
     """PyTorch's advice for ``start_powerSGD_iter``: 10 % of the training steps (at least 2)."""
     return max(2, math.ceil(0.1 * total_steps))
+
+
+def wire_per_step(model: torch.nn.Module, hook) -> Dict[str, Any]:
+    """What this rank sent per all-reduce round (one an optimizer step) over DDP's ``model``,
+    in MB, for the epoch's row: ``hook``'s count (--comm_hook; {} before its first round), or
+    without one DDP's own all-reduce, which sends every gradient in float32 each round."""
+    if hook is None:
+        sent = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return {"comm_hook": "none", "wire_mb_per_step": sent / 1e6}
+    if not hook.rounds:
+        return {}
+    return {"comm_hook": hook.name, "wire_mb_per_step": hook.bytes_sent / hook.rounds / 1e6}

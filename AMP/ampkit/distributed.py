@@ -1,8 +1,8 @@
 """The process group, and every collective of the shared code: this process's place in it
 (:class:`DistInfo`), torchrun's ranks and the store to join it by (a restarted attempt's
 keys kept apart from the previous attempt's; under plain ``python``, a group of one in
-memory), the sums, maxima and gathers the loop, the meters and the saves need, the stop
-vote's own group, an FSDP2 optimizer's saved state sharded again, and each rank's random
+memory), the sums, maxima and gathers the loop, the meters and the saves need, the stop's
+own channel, an FSDP2 optimizer's saved state sharded again, and each rank's random
 streams. The backend is the device's (``dist.get_default_backend_for_device``: NCCL on
 CUDA, XCCL on XPU, gloo on the CPU).
 
@@ -104,37 +104,37 @@ def local_main_first(info: DistInfo) -> Iterator[None]:
         barrier(info)
 
 
-class Ballots:
-    """The stop vote's transport (``ampkit.stop.StopVote``): every rank's ballot, an int, and
-    their largest, by an all-reduce in the background on a gloo group of its own, as a CPU
-    tensor: reading it never waits for a GPU. One ballot, cast again once the last vote is
-    read, filled in and read through numpy: a vote dispatches a single op, its all-reduce.
-    Every rank creates it (a collective: the group); in one process there is nothing to
-    send (``group`` None)."""
+class StopChannel:
+    """How the ranks' stop (``ampkit.stop.Stop``) travels: every rank's signal number, an int,
+    and their largest, by an all-reduce in the background on a gloo group of its own, as a
+    CPU tensor: receiving it never waits for a GPU. One tensor, sent again once the last
+    round is received, filled in and read through numpy: a round dispatches a single op, its
+    all-reduce. Every rank creates it (a collective: the group); in one process there is
+    nothing to send (``group`` None)."""
 
     def __init__(self, info: DistInfo) -> None:
         self.group = dist.new_group(backend="gloo") if info.distributed else None
-        self._ballot = torch.zeros(1, dtype=torch.int32)
+        self._value = torch.zeros(1, dtype=torch.int32)
         self._pending: Optional[dist.Work] = None
 
-    def cast(self, value: int) -> None:
-        """This rank's ballot, sent (the previous vote must have been read)."""
-        self._ballot.numpy()[0] = value
-        self._pending = dist.all_reduce(self._ballot, op=dist.ReduceOp.MAX, group=self.group,
+    def send(self, value: int) -> None:
+        """This rank's value, sent (the previous round must have been received)."""
+        self._value.numpy()[0] = value
+        self._pending = dist.all_reduce(self._value, op=dist.ReduceOp.MAX, group=self.group,
                                         async_op=True)
 
-    def read(self) -> Optional[int]:
-        """The largest ballot of the pending vote, waited for (None: none pending)."""
+    def receive(self) -> Optional[int]:
+        """The largest value of the round in flight, waited for (None: none in flight)."""
         if self._pending is None:
             return None
         work, self._pending = self._pending, None
-        # It arrived during the step since it was cast: no wait in practice.
+        # It arrived during the step since it was sent: no wait in practice.
         work.wait()
-        return int(self._ballot.numpy()[0])
+        return int(self._value.numpy()[0])
 
 
 # How an optimizer was built to run, not what it learned: kept when a state is loaded.
-_IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def _full_options(**kw):
@@ -182,7 +182,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]
     non-fused optimizer (another device, an older run) would turn a fused AdamW back into
     the foreach one, whose path then asserts under a GradScaler (which decided at
     construction that the fused optimizer handles inf/NaN itself)."""
-    built = [{k: g[k] for k in _IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
+    built = [{k: g[k] for k in IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
     if model is not None and is_sharded(model):
         dcp_state, full = _full_options()
         dcp_state.set_optimizer_state_dict(model, optimizer, state, options=full)

@@ -5,7 +5,7 @@ training step (:func:`train_one_epoch`) and the accuracy count (:func:`count_cor
 from where the epoch starts (a resumed epoch's rest: the loader's ``batches(start)``), without
 a host sync per step: its meters (``ampkit.meters``) keep each step's loss and gradient norm
 on the device and read them on the host every ``log_every`` steps and at the epoch's end,
-within a ``HOST_READ`` span of the profiler; the ranks' stop vote is taken after every step."""
+within a ``HOST_READ`` span of the profiler; the ranks' stop is asked after every step."""
 from __future__ import annotations
 
 import contextlib
@@ -65,6 +65,68 @@ class Technique:
     # FSDP2's MixedPrecisionPolicy, where the parameters are cast instead of the ops.
     mp_policy: Optional[object] = None
 
+    @property
+    def amp_dtype(self) -> Optional[torch.dtype]:
+        """What the step computes in below float32 (None: float32 throughout)."""
+        if self.autocast is not None:
+            return self.autocast.fast_dtype
+        return getattr(self.mp_policy, "param_dtype", None)
+
+
+class StepFigures:
+    """An epoch's per-step figures: each step's micro-batch losses and gradient norm as the
+    step returns them, kept on the device (adding a step costs no op and no sync), then read
+    on the host in one copy every ``log_every`` steps (float32 tensors, stacked) and summed
+    there as Python floats, each loss weighted by its micro-batch's images: no float64
+    tensor, which a device may not have at all (MPS, some Intel GPUs). ``scaled``: a
+    GradScaler runs, and it skips exactly the steps whose unscaled gradients hold an
+    inf/NaN, the ones whose gradient norm (taken after ``unscale_``) is inf/NaN: those are
+    counted as skipped, and their norm in no mean or maximum."""
+
+    def __init__(self, scaled: bool) -> None:
+        self.scaled = scaled
+        # The caller synced the device first, so no earlier work is timed as training.
+        self.t0 = time.perf_counter()
+        self._pending: List[Tuple[List[torch.Tensor], torch.Tensor, List[int]]] = []
+        self.images = self.finite_images = self.norm_steps = 0
+        self.nonfinite = self.skipped = self.bad_run = self.worst_run = 0
+        # Each finite step's loss weighted by its images, so that the mean is per image.
+        self.loss_sum = self.norm_sum = 0.0
+        self.norm_max = float("nan")
+
+    def add(self, losses: List[torch.Tensor], norm: torch.Tensor, sizes: List[int]) -> None:
+        """One optimizer step: its micro-batches' mean losses, of ``sizes`` images each."""
+        self._pending.append((losses, norm, sizes))
+
+    def read(self) -> None:
+        """The steps added since the last read, onto the host: the run's host sync."""
+        if not self._pending:
+            return
+        values = iter(torch.stack([t for losses, norm, _ in self._pending
+                                   for t in (*losses, norm)]).tolist())
+        for losses, _, sizes in self._pending:
+            step_losses, norm = [next(values) for _ in losses], next(values)
+            n = sum(sizes)
+            finite_loss, finite_norm = all(map(math.isfinite, step_losses)), math.isfinite(norm)
+            self.images += n
+            if finite_loss:
+                self.loss_sum += sum(loss * size for loss, size in zip(step_losses, sizes))
+                self.finite_images += n
+            if finite_norm:
+                self.norm_sum += norm
+                self.norm_max = norm if math.isnan(self.norm_max) else max(self.norm_max, norm)
+                self.norm_steps += 1
+            self.skipped += self.scaled and not finite_norm
+            bad = not (finite_loss and finite_norm)
+            self.nonfinite += bad
+            self.bad_run = self.bad_run + 1 if bad else 0
+            self.worst_run = max(self.worst_run, self.bad_run)
+        self._pending.clear()
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.finite_images if self.finite_images else float("nan")
+
 
 class TrainingDiverged(UserError):
     """The loss stayed non-finite for several consecutive steps without a GradScaler."""
@@ -90,13 +152,12 @@ def micro_batches_by_step(loader: Iterable, accum_steps: int
 
 
 def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, meters,
-                    epoch: int = 0, start: int = 0, accum_steps: int = 1,
-                    max_nonfinite: Optional[int] = 5, stop=None, log_every: int = 20,
-                    desc: str = "train"):
+                    start: int = 0, accum_steps: int = 1, max_nonfinite: Optional[int] = 5,
+                    stop=None, log_every: int = 20, desc: str = "train"):
     """Run ``train_step`` on ``loader``'s batches (on the device), ``accum_steps`` at a time:
     one optimizer step each, from step ``start`` of the epoch on (a resumed epoch's rest).
     ``meters`` (``ampkit.meters``) keep the figures. ``log_every`` and the progress bar
-    count optimizer steps. ``stop``: the ranks' vote (``ampkit.stop.StopVote``), taken before
+    count optimizer steps. ``stop``: the ranks' stop (``ampkit.stop.Stop``), asked before
     the epoch (for a signal since the last one) and after every step (no host sync); when
     it says so, the epoch ends there on every rank (``TrainStats.stopped_at``).
     ``max_nonfinite`` inf/NaN losses in a row end the run, unless a GradScaler runs (the
@@ -104,16 +165,16 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, meter
     it is None. The figures returned include a resumed epoch's before its stop."""
     if meters.scaled:
         max_nonfinite = None
-    figures = meters.begin_epoch(epoch, info)
+    figures = meters.begin_epoch()
     step, stopped_at, data_seconds = start, None, 0.0
     # A signal since the last epoch's steps: this epoch does not start.
     if stop is not None and stop.before_epoch():
-        return meters.end_epoch(figures, info, epoch=epoch, steps=0, stopped_at=start)
+        return meters.end_epoch(figures, steps=0, stopped_at=start)
     batches = loader.batches(start * accum_steps) if start else loader
     total = math.ceil(len(loader) / accum_steps) if hasattr(loader, "__len__") else None
     bar = progress_bar(total=total, initial=start, desc=desc, disable=not info.is_main,
                        unit="step")
-    profiler = meters.profiler(epoch)
+    profiler = meters.profiler()
     # The bar is closed before any error message, so it is not drawn over.
     with profiler or contextlib.nullcontext(), bar:
         for micro_batches, waited in micro_batches_by_step(batches, accum_steps):
@@ -130,11 +191,11 @@ def train_one_epoch(train_step: Step, loader: Iterable, info: DistInfo, *, meter
                 break
             if step % log_every == 0:
                 _host_check(figures, bar, info, max_nonfinite, step)
-    # Asked during the last step? (Always called: it takes the vote still in flight.)
+    # Asked during the last step? (Always called: it receives the round still in flight.)
     if stop is not None and stop.any_rank_asked() and stopped_at is None:
         stopped_at = step
-    stats = meters.end_epoch(figures, info, epoch=epoch, steps=step - start,
-                             stopped_at=stopped_at, data_seconds=data_seconds)
+    stats = meters.end_epoch(figures, steps=step - start, stopped_at=stopped_at,
+                             data_seconds=data_seconds)
     if max_nonfinite is not None and stats.worst_run >= max_nonfinite:
         raise _diverged(stats.worst_run, step)
     return stats
@@ -196,4 +257,9 @@ def count_correct(model: nn.Module, loader: Iterable, info: DistInfo,
     # The loop stops after ``forwards`` batches without asking for another: a loader does
     # its bookkeeping after its last batch, once it is asked for the next.
     next(batches, None)
+    # --skip_bad_images may leave every image out: 0 of 0 is no accuracy (one host read, only
+    # where images can be left out).
+    if getattr(loader, "skip", False) and not max_over_ranks(counts[1:].clone(), info).item():
+        raise UserError(f"{desc}: no readable image to evaluate (--skip_bad_images left out "
+                        "every one)")
     return counts

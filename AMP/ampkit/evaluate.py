@@ -1,27 +1,26 @@
-"""The eval driver every eval script shares: ``Evaluation(checkpoint, device, ...)``,
-``count_correct``, ``report``.
+"""The eval driver every eval script shares: ``Evaluation(args, device)``, ``count``,
+``report``.
 
-``Evaluation`` takes the script's checkpoint, device (a one-process script's own; eval_DDP's
-``cuda:LOCAL_RANK`` in the process group it joined) and flags, loads the checkpoint on the CPU,
-builds the test split -- by default the data set, root and image size the checkpoint was
-trained with -- and the checkpoint's network (``--arch``) with its weights, on the device.
-The script decides how the model runs (bare, ``nn.DataParallel``) and which test images
-this process counts (all of them, or its shard); ``count_correct`` counts, ``report``
-prints the one result line. In a process group every rank makes each call, together.
+``Evaluation`` takes the script's flags and device (a one-process script's own; eval_DDP's
+``cuda:LOCAL_RANK`` in the process group it joined), loads the checkpoint on the CPU, builds
+the test split -- by default the data set, root and image size the checkpoint was trained
+with -- and the checkpoint's network with its weights, on the device. The script decides how
+the model runs (bare, ``nn.DataParallel``) and sums a group's counts; ``count`` counts this
+process's shard, ``report`` prints the one result line. In a process group every rank makes
+each call, together.
 """
 from __future__ import annotations
 
 import contextlib
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from .checkpoint import files as checkpoint_files
-from .data import build_loaders
-from .device import resolve_amp_dtype
+from .data import build_loaders, unreadable_line
+from .device import resolve_amp_dtype, set_cuda_math
 from .distributed import barrier, gather_from_ranks, local_main_first, this_process
 from .engine import count_correct
 from .errors import UserError
@@ -30,49 +29,45 @@ from .models import DEFAULT_ARCH, autocast_replicas, build_model, check_arch_fla
 
 
 class Evaluation:
-    """Set-up, counting and the result line of one eval script (see the module docstring)."""
+    """Set-up, counting and the result line of one eval script (see the module docstring),
+    from its flags (``args``: parse_eval_args'): the checkpoint, a file or a folder whose
+    newest last.pth is evaluated; the data set, its root, the image size and the network
+    (None: the checkpoint's own); ``--autocast`` in ``--amp_dtype`` (None: the device's
+    default), on every GPU DataParallel replicates to with ``data_parallel``."""
 
-    def __init__(self, checkpoint: Path, device: torch.device, *, name: str,
-                 arch: Optional[str] = None, dataset: Optional[str] = None,
-                 dataset_root: Optional[Path] = None, img_size: Optional[int] = None,
-                 batch_size: int = 64, loader: str = "auto", num_workers: Optional[int] = None,
-                 channels_last: bool = False, skip_bad: bool = False, autocast: bool = False,
-                 amp_dtype: Optional[str] = None, data_parallel: bool = False) -> None:
-        """``checkpoint``: a file, or a folder whose newest last.pth is evaluated; ``arch``,
-        ``dataset``, ``dataset_root``, ``img_size``: None for the checkpoint's own;
-        ``autocast``: evaluate under autocast in ``amp_dtype`` (None: the device's default),
-        on every GPU DataParallel replicates to with ``data_parallel``."""
-        self.name, self.info = name, this_process(device)
-        self.amp_dtype = (resolve_amp_dtype(amp_dtype, device, data_parallel=data_parallel)
-                          if autocast else None)
-        self.path = checkpoint_files.resolve(checkpoint)
+    def __init__(self, args, device: torch.device, *, data_parallel: bool = False) -> None:
+        self.name, self.info = args.variant, this_process(device)
+        set_cuda_math(args.tf32, device)
+        self.amp_dtype = (resolve_amp_dtype(args.amp_dtype, device, data_parallel=data_parallel)
+                          if args.autocast else None)
+        self.path = checkpoint_files.resolve(args.checkpoint)
         # Onto the CPU: the weights reach the device with the model they are loaded into.
         state = checkpoint_files.load(self.path, map_location="cpu")
         trained = state.get("args") or {}
-        self.dataset = dataset or trained.get("dataset") or "CIFAR10"
-        root = Path(dataset_root or trained.get("dataset_root") or DATA_DIR)
-        self.img_size = img_size or trained.get("img_size") or 227
+        self.dataset = args.dataset or trained.get("dataset") or "CIFAR10"
+        root = Path(args.dataset_root or trained.get("dataset_root") or DATA_DIR)
+        self.img_size = args.img_size or trained.get("img_size") or 227
         self.arch = state.get("arch") or DEFAULT_ARCH
-        if arch not in (None, self.arch):
-            raise UserError(f"--arch {arch}: {self.path} holds a {self.arch} (leave --arch "
+        if args.arch not in (None, self.arch):
+            raise UserError(f"--arch {args.arch}: {self.path} holds a {self.arch} (leave --arch "
                             "out: the eval scripts rebuild the checkpoint's network)")
         check_arch_flags(self.arch, self.img_size)
         self._say_what_it_was_trained_on(trained, root)
         # The data set may be downloaded: by one process per node, the others after it.
         with local_main_first(self.info):
-            data = build_loaders(self.dataset, root, self.img_size, batch_size, self.info,
-                                 loader=loader, num_workers=num_workers,
-                                 channels_last=channels_last, train=False, skip_bad=skip_bad)
-        self.data = data
-        self.loader, self.test_size = data.val, data.val_size
-        model = build_model(self.arch, data.num_classes)
+            self.data = build_loaders(self.dataset, root, self.img_size, args.batch_size,
+                                      self.info, loader=args.loader,
+                                      num_workers=args.num_workers,
+                                      channels_last=args.channels_last, train=False,
+                                      skip_bad=args.skip_bad_images)
+        model = build_model(self.arch, self.data.num_classes)
         checkpoint_files.load_weights(model, state, self.path)
         del state
         if self.amp_dtype is not None:
             # The forward re-enters autocast with this dtype itself, for DataParallel's replica
             # threads, which do not inherit the caller's dtype.
             model = autocast_replicas(model, self.amp_dtype)
-        memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
         self.model = model.to(device, memory_format=memory_format)
         self.autocast = (torch.autocast(device.type, dtype=self.amp_dtype)
                          if self.amp_dtype else contextlib.nullcontext())
@@ -94,14 +89,11 @@ class Evaluation:
             print(f"warning: evaluating on {self.dataset} in {root} at {self.img_size}px, not "
                   "the data set this checkpoint was trained on", file=sys.stderr, flush=True)
 
-    @property
-    def device(self) -> torch.device:
-        return self.info.device
-
-    def count_correct(self, model: nn.Module, indices: Sequence[int]) -> torch.Tensor:
-        """``tensor([correct, seen])`` on the device, over the test images ``indices``."""
-        self.loader.sampler.indices = indices
-        return count_correct(model, self.loader, self.info, self.autocast, desc=self.name)
+    def count(self, model: nn.Module) -> torch.Tensor:
+        """``tensor([correct, seen])`` on the device, over this process's shard of the test
+        split (in a group, every world_size-th image from its rank's on: disjoint shards
+        that cover each image once; alone, all of them). Summing them is the script's."""
+        return count_correct(model, self.data.val, self.info, self.autocast, desc=self.name)
 
     def report(self, correct: int, total: int) -> float:
         """Print the result line (global rank 0); the accuracy. Then all ranks wait for each
@@ -109,10 +101,10 @@ class Evaluation:
         if total == 0:
             raise UserError(f"{self.name}: no readable test image to evaluate")
         acc = correct / total
-        unreadable = gather_from_ranks(self.data.take_unreadable(), self.info)
+        unreadable = unreadable_line(gather_from_ranks(self.data.take_unreadable(), self.info),
+                                     "from the test split")
         if unreadable and self.info.is_main:
-            print(f"skipped {len(unreadable)} unreadable image(s) (--skip_bad_images): "
-                  + "; ".join(str(u) for u in unreadable[:5]), flush=True)
+            print(unreadable, flush=True)
         if self.info.is_main:
             print(f"top-1 accuracy on {self.dataset} test split ({self.img_size}px"
                   f"{', autocast ' + str(self.amp_dtype)[6:] if self.amp_dtype else ''}"

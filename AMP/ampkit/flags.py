@@ -47,8 +47,21 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _formatter(prog):
-    return argparse.ArgumentDefaultsHelpFormatter(prog, max_help_position=32)
+class DefaultsOnce(argparse.HelpFormatter):
+    """--help with each option's default said once: ``(default: X)`` appended where the help
+    does not say its default itself and X is a value (not None, not an empty list, not the
+    off state of a switch that takes no value; a ``--x/--no-x`` pair's is a value)."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if ("default" in text.lower() or default is None or default is argparse.SUPPRESS
+                or default == [] or switch or not action.option_strings):
+            return text
+        return text + " (default: %(default)s)"
 
 
 def _add_common(p: argparse.ArgumentParser, *, process_group: bool, for_eval: bool) -> None:
@@ -154,13 +167,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 def train_parser(variant: str, process_group: bool = False, doc: Optional[str] = None) -> Parser:
     """The flags of a train script; ``process_group``: one of a group's processes (DDP, FSDP2),
     whose --batch_size is per process."""
-    p = Parser(prog=f"{variant}.py", formatter_class=_formatter,
+    p = Parser(prog=f"{variant}.py", formatter_class=DefaultsOnce,
                description=_description(doc, f"Train AlexNet, or any --arch ({variant})."))
     p.set_defaults(variant=variant)
     _add_common(p, process_group=process_group, for_eval=False)
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"AdamW learning rate (default {DEFAULT_LR:g}; a resumed run goes on at "
-                        "its optimizer's saved rate unless --lr is given)")
+    p.add_argument("--lr", type=float, default=DEFAULT_LR,
+                   help="AdamW learning rate (a resumed run goes on at its optimizer's saved "
+                        "rate unless --lr is given)")
     p.add_argument("--epochs", type=int, default=20, help="number of epochs to train")
     p.add_argument("--train_subset", type=int, default=None, metavar="N",
                    help="train on N images of the training set, as many of each class, the same "
@@ -200,7 +213,7 @@ def train_parser(variant: str, process_group: bool = False, doc: Optional[str] =
 
 
 def eval_parser(variant: str, process_group: bool = False, doc: Optional[str] = None) -> Parser:
-    p = Parser(prog=f"{variant}.py", formatter_class=_formatter,
+    p = Parser(prog=f"{variant}.py", formatter_class=DefaultsOnce,
                description=_description(doc, f"Evaluate a checkpoint ({variant})."))
     p.set_defaults(variant=variant)
     _add_common(p, process_group=process_group, for_eval=True)
@@ -241,7 +254,7 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
     _check_common(args, process_group)
     if args.epochs <= 0:
         raise UserError(f"--epochs must be a positive integer, got {args.epochs}")
-    if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
+    if not (math.isfinite(args.lr) and args.lr >= 0):
         raise UserError(f"--lr must be a finite number >= 0, got {args.lr}")
     if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops)
                                              and args.peak_tflops > 0):
@@ -266,8 +279,8 @@ def parse_train_args(variant: str, argv: Optional[Sequence[str]] = None, doc: Op
     if args.resume and args.init_from:
         raise UserError("--resume continues a run, --init_from starts a new one from a "
                         "checkpoint's weights: give one of them")
-    # The rate a new run starts at; --lr (None: not given) is what a resumed run is asked for.
-    args.start_lr = DEFAULT_LR if args.lr is None else args.lr
+    # What the command line gave: a resumed run takes --lr only if it was given.
+    args.given = given
     return args
 
 

@@ -230,13 +230,22 @@ def shard_units(model: nn.Module) -> List[nn.Module]:
     return units
 
 
-def make_network(arch: str, num_classes: int, info: DistInfo, *, seed: int,
-                 pretrained: bool = False, channels_last: bool = False) -> nn.Module:
-    """``arch`` built from ``seed`` alone (the same initial weights on every rank, for any
-    world size), then this rank's own random streams seeded; on the process's device, in
-    the channels_last memory format with ``channels_last``."""
+def make_network(arch: str, data, info: DistInfo, *, seed: int, pretrained: bool = False,
+                 channels_last: bool = False) -> nn.Module:
+    """``arch`` for ``data`` (``ampkit.data.Loaders``: its classes), built from ``seed`` alone
+    (the same initial weights on every rank, for any world size), then this rank's own random
+    streams seeded; on the process's device, in the channels_last memory format with
+    ``channels_last``. A training set whose last batch holds one image a process is one line
+    where the network cannot train on one (BatchNorm over a 1 x 1 map)."""
+    if data.train_size and data.last_batch(info.world_size) == 1:
+        reason = _meta_forward_problem(arch, data.image_shape[-1], batch=1, train=True)
+        if reason is not None:
+            raise UserError(f"the training set's last batch holds 1 image a process "
+                            f"({data.train_size} images, --batch_size {data.batch_size}, "
+                            f"{info.world_size} process(es)), which --arch {arch} cannot train "
+                            f"on ({reason}): give another --batch_size, or --train_subset")
     torch.manual_seed(seed)
-    network = build_model(arch, num_classes, pretrained=pretrained)
+    network = build_model(arch, data.num_classes, pretrained=pretrained)
     seed_streams(seed, info.rank, info.device.type == "cuda")
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     return network.to(info.device, memory_format=memory_format)

@@ -1,10 +1,10 @@
 """A run as a process: its folder, what it says, and how it ends.
 
 - The folder, as a script holds it (``with RunFolder(...) as run``): created and writable,
-  one run in it at a time (:class:`RunLock`), rid of the temporary files a killed save left
-  behind; the TensorBoard folder beside it; the run's logger and its stop vote; and its last
-  line (the summary, or where a stop saved) with its exit status. Every rank makes the
-  ``with`` and its calls together: the vote's group, and the barrier at the end.
+  one run in it at a time (:class:`RunLock`); the TensorBoard folder beside it; the run's
+  logger and its stop; and its last line (the summary, or where a stop saved) with its exit
+  status. Every rank makes the ``with`` and its calls together: the stop's group, and the
+  barrier at the end.
 - What it says, on global rank 0 only (:class:`RunLogger`): its first line
   (:func:`header_line`), an epoch's line, TensorBoard scalars and JSON row (``log.jsonl``),
   and its last line.
@@ -31,11 +31,9 @@ from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
 
-from .checkpoint.files import LAST
-from .checkpoint.writer import remove_temporaries
-from .distributed import Ballots, barrier, this_process
+from .distributed import StopChannel, barrier, this_process
 from .errors import UserError
-from .stop import StopVote, exit_status, stopped_line, voting
+from .stop import Stop, exit_status, stopped_line, stopping
 
 
 def prepare_run_dir(path: Path) -> Path:
@@ -54,12 +52,9 @@ def prepare_run_dir(path: Path) -> Path:
 
 
 def claim_run_dir(path: Path) -> "RunLock":
-    """Make ``path`` this run's folder: created and writable, locked against a second run,
-    and rid of the temporary files a killed save left (no live run owns them now)."""
+    """Make ``path`` this run's folder: created and writable, locked against a second run."""
     prepare_run_dir(path)
-    lock = RunLock(path)
-    remove_temporaries(path)
-    return lock
+    return RunLock(path)
 
 
 class RunLock:
@@ -111,34 +106,31 @@ class RunFolder:
             self.lock.release()
             raise
 
-    def logger(self, resumed, epochs: int) -> RunLogger:
-        """Rank 0's lines, log.jsonl and TensorBoard scalars here (``resumed``, a
-        ``checkpoint.Resumed``: a resumed run's, after its epoch); ``epochs``: the run's, for
+    def logger(self, epochs: int) -> RunLogger:
+        """Rank 0's lines, log.jsonl and TensorBoard scalars here; ``epochs``: the run's, for
         the epoch lines; closed at the end of its ``with``."""
-        return RunLogger(self.info.is_main, self.tb_dir, self.dir / "log.jsonl", epochs,
-                         resume_epoch=resumed.epoch if resumed.path else None)
+        return RunLogger(self.info.is_main, self.tb_dir, self.dir / "log.jsonl", epochs)
 
-    def stop_vote(self, say: Callable[[str], None]) -> ContextManager[StopVote]:
-        """Within it SIGTERM, SIGINT and SIGUSR1 ask for a stop, which the ranks' vote makes
-        at the same step on every rank (:mod:`ampkit.stop`); every rank makes it, together."""
-        return voting(Ballots(self.info), say, exiting=self.info.world_size > 1)
+    def stop(self, say: Callable[[str], None]) -> ContextManager[Stop]:
+        """Within it SIGTERM, SIGINT and SIGUSR1 ask for a stop, which every rank makes at the
+        same step (:mod:`ampkit.stop`); every rank makes it, together."""
+        return stopping(StopChannel(self.info), say, exiting=self.info.world_size > 1)
 
-    def end(self, meters, saver, vote: StopVote, log: RunLogger) -> None:
-        """After the epochs: the last save written, the run's last vote (a signal during the
-        last epoch's end), then the last line: the summary, or where a stop saved."""
-        # The last save may still be in flight: it is written before the last line says
-        # where it is.
-        saver.finish()
-        if saver.stopped_at is None and saver.resumed.epoch < saver.epochs:
-            if vote.any_rank_asked():
-                saver.stopped_at = (saver.epochs, 0)
-            log.print(summary_line(self.dir.name, saver.epochs, time.perf_counter() - self.t_start,
-                                   meters.train_seconds, saver.best_acc, saver.best_epoch,
+    def end(self, checkpoint, meters, stop: Stop, log: RunLogger) -> None:
+        """After the epochs, on every rank together: the checkpoint's end (its last save
+        written, a stop during the last epoch's end taken), then the last line: where a stop
+        saved, or the summary of a run that trained."""
+        progress, epochs = checkpoint.progress, checkpoint.epochs
+        if checkpoint.end(stop):
+            log.print(stopped_line(stop.request, progress.epoch, progress.step,
+                                   checkpoint.last, epochs))
+            self.status = exit_status(stop.request.agreed)
+            return
+        if checkpoint.started_at < epochs:
+            log.print(summary_line(self.dir.name, epochs, time.perf_counter() - self.t_start,
+                                   meters.train_seconds, progress.best_acc, progress.best_epoch,
                                    self.dir, self.tb_dir, meters.mean()))
         self.status = 0
-        if saver.stopped_at is not None:
-            log.print(stopped_line(vote.flag, *saver.stopped_at, self.dir / LAST, saver.epochs))
-            self.status = exit_status(vote.flag.agreed)
 
     def __enter__(self) -> "RunFolder":
         return self
@@ -162,18 +154,13 @@ class RunLogger:
     """Prints, TensorBoard and ``log.jsonl`` for the main process; a no-op elsewhere."""
 
     def __init__(self, is_main: bool, tensorboard_dir: Optional[Path] = None,
-                 jsonl_path: Optional[Path] = None, epochs: int = 0,
-                 resume_epoch: Optional[int] = None) -> None:
-        """``epochs``: the run's (an epoch's line says "3/20"). ``resume_epoch``: a resumed
-        run, whose checkpoint holds that many epochs; the log's rows of later epochs (logged,
-        but not saved before the run stopped) are dropped, as the run trains those epochs
-        again. None: a new run, a new log."""
+                 jsonl_path: Optional[Path] = None, epochs: int = 0) -> None:
+        """``epochs``: the run's (an epoch's line says "3/20")."""
         self.is_main, self.epochs = is_main, epochs
         # Files are opened on first use, so a run that fails before its first epoch
         # neither truncates the previous run's log nor leaves an empty TensorBoard run.
         self.tensorboard_dir = tensorboard_dir if is_main else None
         self.jsonl_path = jsonl_path if is_main else None
-        self.resume_epoch = resume_epoch
         self.writer = None
         self.jsonl = None
 
@@ -198,11 +185,13 @@ class RunLogger:
 
     def record(self, row: Dict[str, Any]) -> None:
         """One JSON line per epoch, written with one write() call: a kill mid-write leaves at
-        most a partial last line, which the next resume drops."""
+        most a partial last line, which the next run's first row drops. That row's epoch
+        is where this run began: the log keeps the previous rows of the epochs before it
+        (a resumed run's; none for a new run) and drops those after (logged by a stopped
+        run, but not saved: trained again now)."""
         if self.jsonl is None and self.jsonl_path is not None:
-            kept = "" if self.resume_epoch is None else self._kept_rows()
             tmp = self.jsonl_path.with_name(f".{self.jsonl_path.name}.tmp")
-            tmp.write_text(kept, encoding="utf-8")
+            tmp.write_text(self._rows_before(row["epoch"]), encoding="utf-8")
             # Through a temporary file: the old log stays whole until the new one is.
             os.replace(tmp, self.jsonl_path)
             self.jsonl = open(self.jsonl_path, "a", encoding="utf-8")
@@ -210,8 +199,8 @@ class RunLogger:
             self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()
 
-    def _kept_rows(self) -> str:
-        """The previous log's complete rows of the epochs the resumed checkpoint holds."""
+    def _rows_before(self, epoch: int) -> str:
+        """The previous log's complete rows of the epochs before ``epoch``."""
         kept = []
         try:
             lines = self.jsonl_path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -223,7 +212,7 @@ class RunLogger:
             except ValueError:
                 row = None
             if isinstance(row, dict) and isinstance(row.get("epoch"), int) \
-                    and row["epoch"] <= self.resume_epoch:
+                    and row["epoch"] < epoch:
                 kept.append(line)
         return "".join(kept)
 
@@ -267,15 +256,14 @@ class RunLogger:
             self.jsonl = None
 
 
-def header_line(variant: str, technique, data, info, *, amp_dtype: Optional[torch.dtype],
-                accum_steps: int, clip_grad: Optional[float], fp32_math: str,
-                data_parallel: bool = False) -> str:
+def header_line(variant: str, technique, data, info, *, accum_steps: int,
+                clip_grad: Optional[float], fp32_math: str, data_parallel: bool = False) -> str:
     """The run's first line: what trains, on what, in which precision, from which data
     (``technique``: ``engine.Technique``; ``data``: ``ampkit.data.Loaders``; ``info``: this
-    process in its group; ``amp_dtype``: the dtype the run computes in, None: float32;
-    ``data_parallel``: a DataParallel script, which builds no DataParallel off CUDA). What
-    the run computes in is read from the technique's objects: a DataParallel in the model,
-    an autocast, FSDP2's MixedPrecisionPolicy, an enabled GradScaler."""
+    process in its group; ``data_parallel``: a DataParallel script, which builds no
+    DataParallel off CUDA). What the run computes in is read from the technique's objects: a
+    DataParallel in the model, an autocast, FSDP2's MixedPrecisionPolicy, an enabled
+    GradScaler."""
     device = info.device
     gpu = device.type == "cuda"
     dp = any(isinstance(m, torch.nn.DataParallel) for m in technique.model.modules())
@@ -286,7 +274,7 @@ def header_line(variant: str, technique, data, info, *, amp_dtype: Optional[torc
     low = ("autocast" if technique.autocast is not None else
            "MixedPrecisionPolicy" if technique.mp_policy is not None else None)
     precision = ("fp32" + (f" ({fp32_math})" if gpu else "") if low is None else
-                 f"{low} ({str(amp_dtype)[6:]})" + (" + GradScaler" if scaled else ""))
+                 f"{low} ({str(technique.amp_dtype)[6:]})" + (" + GradScaler" if scaled else ""))
     batch = data.batch_size
     return (f"{variant}: {data.name} ({data.train_size} train / {data.val_size} val "
             f"images, {data.num_classes} classes) at {data.image_shape[-1]}px on {device}"
@@ -294,7 +282,7 @@ def header_line(variant: str, technique, data, info, *, amp_dtype: Optional[torc
             f"{gpus}, precision {precision}, "
             f"batch {batch}{' per process' if info.distributed else ''}"
             + (f" x {accum_steps} micro-batches per optimizer step (global batch "
-               f"{batch * accum_steps * info.world_size})" if accum_steps > 1 else "")
+               f"{data.global_batch(accum_steps, info.world_size)})" if accum_steps > 1 else "")
             + (f", gradients clipped to norm {clip_grad:g}" if clip_grad else "")
             + f", {data.kind} loader; progress in optimizer steps")
 

@@ -1,27 +1,27 @@
 """The stop: SIGTERM, SIGUSR1 and Ctrl-C end a run at its next safe point, saved -- the signal
-(:class:`StopSignals`, :class:`StopFlag`), the ranks' vote (:class:`StopVote`), and where the
-run says it stopped and how it exits (:func:`stopped_line`, :func:`exit_status`); the save is
-the saver's (``Saver.save_stop``).
+(:class:`StopSignals`, :class:`StopRequest`), the ranks' agreement (:class:`Stop`), and where
+the run says it stopped and how it exits (:func:`stopped_line`, :func:`exit_status`); the save
+is the checkpoint manager's (``save_stop``).
 
-The rule, wherever a signal lands within the script's ``stop_vote`` (from before the
-restore to the run's last line: in a step, in an epoch's last and short step, in
-validation, in a save, in the last epoch):
+The rule, wherever a signal lands within the script's ``run.stop`` (from before the resume to
+the run's last line: in a step, in an epoch's last and short step, in validation, in a save,
+in the last epoch):
 
-1. Only a run's main process decides. Its handlers just set its :class:`StopFlag`; the
+1. Only a run's main process decides. Its handlers just set its :class:`StopRequest`; the
    DataLoader workers ignore all three signals from anyone else
    (``data.classic.ignore_stop_signals``), so a signal to the whole process group -- a
    terminal's Ctrl-C, SLURM, ``kill -- -PGID`` -- ends the run like one to the main
    process, never with a dead worker's traceback.
-2. The ranks agree on a stop by a vote (:class:`StopVote`) after every
-   optimizer step, read one step later (in one process: at once); before every epoch but
-   the run's first, for a signal during the previous epoch's validation, save or log; and
-   at the run's end. They stop at the first vote that finds a signal, all at the same step.
-   A signal during the set-up stops the run after its first step (in a group: its second,
-   where the first step's vote is read).
+2. The ranks agree on a stop (:class:`Stop`) after every optimizer step, known one step
+   later (in one process: at once); before every epoch but the run's first, for a signal
+   during the previous epoch's validation, save or log; and at the run's end. They stop at
+   the first round that finds a signal, all at the same step. A signal during the set-up
+   stops the run after its first step (in a group: its second, where the first step's round
+   is received).
 3. ``last.pth`` is then saved for exactly that point (mid-epoch, or after the epoch; an
    epoch's whole last step included) unless it already holds it; the run says where it
-   stopped and every rank exits 128 + the voted signal (SIGTERM 143, SIGUSR1 138, SIGINT
-   130): several signals at once vote for the highest number. A stop in the last epoch
+   stopped and every rank exits 128 + the agreed signal (SIGTERM 143, SIGUSR1 138, SIGINT
+   130): of several signals at once, the highest number. A stop in the last epoch
    exits so too ("The run is complete"; its ``--resume`` has nothing to do).
 
 A second Ctrl-C to a process that already got a signal stops it at once
@@ -45,17 +45,17 @@ def exit_status(signal_name: str) -> int:
     return 128 + int(getattr(signal, signal_name))
 
 
-def stopped_line(stop: "StopFlag", epoch: int, step: int, saved: Path, epochs: int) -> str:
+def stopped_line(request: "StopRequest", epoch: int, step: int, saved: Path, epochs: int) -> str:
     """The last line of a run that stopped ``step`` steps into epoch ``epoch`` + 1 (0: after
     ``epoch`` epochs) of ``epochs``."""
     where = f"at epoch {epoch + 1}, step {step}" if step else f"after epoch {epoch}"
-    by = stop.agreed + ("" if stop.own else " (sent to another rank)")
+    by = request.agreed + ("" if request.own else " (sent to another rank)")
     then = ("The run is complete" if epoch >= epochs and not step
             else "Continue with --resume")
     return f"stopped by {by} {where}; saved {saved}. {then}"
 
 
-class StopFlag:
+class StopRequest:
     """This process's signal (set by a handler: plain attributes, as the handler runs
     between two bytecodes of the main thread) and the stop the ranks agreed on."""
 
@@ -63,22 +63,22 @@ class StopFlag:
         # A stop signal came to this process; signal_name is the last one's.
         self.requested = False
         self.signal_name = ""
-        # The signal every rank stops with, once voted ("": none yet), and whether it came to
+        # The signal every rank stops with, once agreed ("": none yet), and whether it came to
         # this process.
         self.agreed = ""
         self.own = True
 
     @property
     def signum(self) -> int:
-        """This process's signal's number, 0 for none: what it puts into the vote."""
+        """This process's signal's number, 0 for none: what it sends the other ranks."""
         return int(getattr(signal, self.signal_name)) if self.requested else 0
 
-    def request(self, name: str) -> None:
+    def ask(self, name: str) -> None:
         self.requested, self.signal_name = True, name
 
     def agree(self, name: str) -> None:
-        """The ranks' vote found ``name``: the stop every rank makes. The first agreement
-        stands (every rank reads the same votes, in the same order)."""
+        """The ranks found ``name``: the stop every rank makes. The first agreement stands
+        (every rank receives the same rounds, in the same order)."""
         if not self.agreed:
             self.agreed, self.own = name, self.signal_name == name
 
@@ -91,16 +91,16 @@ class StopSignals:
     has exited, cannot turn their exit status (128 + signal, or a lost peer's one line) into
     a kill."""
 
-    def __init__(self, stop: StopFlag, say: Callable[[str], None], exiting: bool) -> None:
-        self.stop, self.say, self.exiting = stop, say, exiting
+    def __init__(self, request: StopRequest, say: Callable[[str], None], exiting: bool) -> None:
+        self.request, self.say, self.exiting = request, say, exiting
         self._previous: Dict[int, object] = {}
 
     def _handler(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.stop.requested and signum == signal.SIGINT:
+        if self.request.requested and signum == signal.SIGINT:
             # A second Ctrl-C: the user will not wait for the step to end.
             raise KeyboardInterrupt
-        self.stop.request(name)
+        self.request.ask(name)
         self.say(f"\n{name} received: stopping after this optimizer step (several processes: "
                  "all of them, after the next)")
 
@@ -117,68 +117,67 @@ class StopSignals:
 
 
 @contextlib.contextmanager
-def voting(ballots, say: Callable[[str], None], exiting: bool) -> Iterator["StopVote"]:
-    """Within it SIGTERM, SIGINT and SIGUSR1 ask for a stop, which the ranks' vote over
-    ``ballots`` (``distributed.Ballots``) makes at the same step on every rank (the
-    rule: this module's docstring); the handlers go with it (``exiting``: see
-    :class:`StopSignals`)."""
-    flag = StopFlag()
-    with StopSignals(flag, say, exiting=exiting):
-        yield StopVote(flag, ballots)
+def stopping(channel, say: Callable[[str], None], exiting: bool) -> Iterator["Stop"]:
+    """Within it SIGTERM, SIGINT and SIGUSR1 ask for a stop, which the ranks agree on over
+    ``channel`` (``distributed.StopChannel``) at the same step on every rank (the rule: this
+    module's docstring); the handlers go with it (``exiting``: see :class:`StopSignals`)."""
+    request = StopRequest()
+    with StopSignals(request, say, exiting=exiting):
+        yield Stop(request, channel)
 
 
-class StopVote:
+class Stop:
     """Whether to stop: the same answer on every rank, at the same step, and no wait for
     the device.
 
     A signal reaches each process at its own moment, or only some of them (one node's
     scheduler, Ctrl-C in one terminal); a rank that stopped alone would leave its peers
-    waiting in their next collective. So after every optimizer step each rank casts its
-    :class:`StopFlag`'s signal (0: none) into a vote that travels in the background, and
-    reads the previous step's, which has long arrived: a stop asked for during step k ends
-    step k + 1 on every rank. The first vote that finds a signal decides the stop (the
+    waiting in their next collective. So after every optimizer step each rank sends its
+    :class:`StopRequest`'s signal (0: none) through the channel, in the background, and
+    receives the previous step's largest, which has long arrived: a stop asked for during
+    step k ends step k + 1 on every rank. The first that finds a signal decides the stop (the
     highest signal number, if ranks got different ones), the same on every rank, and so the
-    exit status (``StopFlag.agreed``). In one process: the flag itself, after the current
+    exit status (``request.agreed``). In one process: the request itself, after the current
     step."""
 
-    def __init__(self, flag: StopFlag, ballots) -> None:
-        self.flag, self.ballots = flag, ballots
+    def __init__(self, request: StopRequest, channel) -> None:
+        self.request, self.channel = request, channel
         self._epochs_begun = 0
 
-    def _read_vote(self) -> bool:
-        """The pending vote (False if none); a stop another rank asked for becomes this
+    def _receive(self) -> bool:
+        """The pending round (False if none); a stop another rank asked for becomes this
         rank's too."""
-        signum = self.ballots.read()
+        signum = self.channel.receive()
         if signum:
-            self.flag.agree(signal.Signals(signum).name)
+            self.request.agree(signal.Signals(signum).name)
         return bool(signum)
 
     def _alone(self) -> bool:
-        if self.flag.requested:
-            self.flag.agree(self.flag.signal_name)
-        return self.flag.requested
+        if self.request.requested:
+            self.request.agree(self.request.signal_name)
+        return self.request.requested
 
     def after_step(self) -> bool:
-        """After each optimizer step, with no wait: True when every rank stops now (on the
-        vote cast after the step before)."""
-        if self.ballots.group is None:
+        """After each optimizer step, with no wait: True when every rank stops now (on what
+        was sent after the step before)."""
+        if self.channel.group is None:
             return self._alone()
-        stop = self._read_vote()
-        self.ballots.cast(self.flag.signum)
+        stop = self._receive()
+        self.channel.send(self.request.signum)
         return stop
 
     def before_epoch(self) -> bool:
         """Before an epoch (blocking): whether any rank asked to stop since the previous
-        epoch's last step, during its validation, save or log. The run's first epoch takes
-        no such vote (a signal during the set-up is read after the first step's vote)."""
+        epoch's last step, during its validation, save or log. The run's first epoch asks
+        nothing (a signal during the set-up is seen after the first step)."""
         first, self._epochs_begun = not self._epochs_begun, self._epochs_begun + 1
         return False if first else self.any_rank_asked()
 
     def any_rank_asked(self) -> bool:
         """At an epoch's end and at the run's (blocking): whether any rank asked to stop by
-        now; also takes the pending vote, so none is left in flight."""
-        if self.ballots.group is None:
+        now; also receives the round in flight, so none is left pending."""
+        if self.channel.group is None:
             return self._alone()
-        stop = self._read_vote()
-        self.ballots.cast(self.flag.signum)
-        return self._read_vote() or stop
+        stop = self._receive()
+        self.channel.send(self.request.signum)
+        return self._receive() or stop

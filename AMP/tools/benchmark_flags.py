@@ -9,11 +9,10 @@ from typing import List, Optional
 
 from ampkit.comm_hooks import HOOKS
 from ampkit.errors import UserError
-from ampkit.flags import (COMPILE_MODES, CUDA_GRAPHS_ACCUM, DATA_DIR, Parser,
-                          add_device_flags)
+from ampkit.flags import (COMPILE_MODES, CUDA_GRAPHS_ACCUM, DATA_DIR, DefaultsOnce, Parser,
+                          add_device_flags, train_parser)
 from ampkit.models import check_arch_flags
 
-from .help_format import DefaultsOnce
 from .variants import ARTICLE_VARIANTS, DISTRIBUTED, TRAIN_VARIANTS
 
 DESCRIPTION = "Steady-state training throughput of each variant, and of the input pipeline alone."
@@ -24,32 +23,51 @@ PIPELINES = {"all": ["article", "classic", "fast"], "both": ["classic", "fast"],
 
 
 def build_parser() -> Parser:
+    # The train scripts' defaults, kept in sync: a timed step is a training step.
+    d = train_parser("train_without")
     # allow_abbrev=False: a mistyped --dataset_r must not pass for --dataset_root.
     p = Parser(prog="benchmark.py", description=DESCRIPTION, allow_abbrev=False,
                formatter_class=DefaultsOnce)
     p.add_argument("--variants", default=None,
                    help="comma-separated variants to measure, 'all' (the FSDP ones too), or "
                         "'none' (input pipeline only). Default: the article's nine")
-    p.add_argument("--arch", default="alexnet",
+    p.add_argument("--arch", default=d.get_default("arch"),
                    help="the network (alexnet, or a torchvision classifier; --arch list)")
-    p.add_argument("--batch_size", type=int, default=64, help="images per step (per process)")
-    p.add_argument("--img_size", type=int, default=227,
+    p.add_argument("--batch_size", type=int, default=d.get_default("batch_size"),
+                   help="images per step (per process)")
+    p.add_argument("--img_size", type=int, default=d.get_default("img_size"),
                    help="images are img_size x img_size")
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="steps run first and not counted")
     add_device_flags(p)
     p.add_argument("--num_classes", type=int, default=10, help="the network's classes")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate")
+    p.add_argument("--lr", type=float, default=d.get_default("lr"), help="AdamW's learning rate")
+    _add_training_flags(p, d)
+    _add_pipeline_flags(p)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each variant's timing, record 5 more steps with torch.profiler: "
+                        "a trace per variant in results/profile-<time>/<variant>/ (open it in "
+                        "https://ui.perfetto.dev) and the top operators printed")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p
+
+
+def _add_training_flags(p: Parser, d: Parser) -> None:
+    """What a training step is made of, as in training (``d``: the train scripts' parser,
+    whose defaults these take)."""
     p.add_argument("--peak_tflops", type=float, default=None,
                    help="peak dense fp16/bf16 TFLOP/s of ONE device, for the utilisation of "
                         "the autocast variants. Default: by GPU name (ampkit/device.py)")
     p.add_argument("--peak_tflops_fp32", type=float, default=None,
                    help="peak TFLOP/s of ONE device for the fp32 variants: the TF32 figure "
                         "unless --no-tf32, then the fp32 one. Default: by GPU name")
-    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=d.get_default("tf32"),
                    help="CUDA fp32 math, as in training: TF32 (--tf32) or full fp32 "
                         "(--no-tf32). Default: PyTorch's, TF32 convolutions and fp32 matmuls")
-    p.add_argument("--channels_last", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--channels_last", action=argparse.BooleanOptionalAction,
+                   default=d.get_default("channels_last"),
                    help="model and inputs in the channels_last memory format (as in training)")
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
                    metavar="MODE",
@@ -60,9 +78,11 @@ def build_parser() -> Parser:
                    help="on CUDA: after the timing, 10 more steps under torch.profiler, CUDA "
                         "activity alone, and the share of their wall time the GPU ran kernels "
                         "(the rest it waited for the host)")
-    p.add_argument("--dp_scope", choices=("model", "features"), default="model",
-                   help="DataParallel wraps the whole model or only model.features (as in training)")
-    p.add_argument("--accum_steps", type=int, default=1, metavar="K",
+    p.add_argument("--dp_scope", choices=("model", "features"),
+                   default=d.get_default("dp_scope"),
+                   help="DataParallel wraps the whole model or only model.features (as in "
+                        "training)")
+    p.add_argument("--accum_steps", type=int, default=d.get_default("accum_steps"), metavar="K",
                    help="micro-batches of --batch_size per optimizer step (as in training); "
                         "--steps counts optimizer steps")
     p.add_argument("--keep_sync", action="store_true",
@@ -72,15 +92,6 @@ def build_parser() -> Parser:
                    help="the DDP variants' --comm_hook, a row per hook: any of "
                         f"{', '.join(HOOKS)} (PowerSGD from the third step: --warmup 2 or more)")
     p.add_argument("--powersgd_rank", type=int, default=1, help="PowerSGD's rank")
-    _add_pipeline_flags(p)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--profile", action="store_true",
-                   help="after each variant's timing, record 5 more steps with torch.profiler: "
-                        "a trace per variant in results/profile-<time>/ (open it in "
-                        "https://ui.perfetto.dev) and the top operators printed")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    return p
 
 
 def _add_pipeline_flags(p: Parser) -> None:

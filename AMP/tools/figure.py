@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .report import BASELINE, OK, VariantResult, memory_kind, speedups
+from .report import BASELINE, OK, VariantResult, peak_memory_kind, speedups
 
 _STYLE = {"single": ("-", "o"), "dp": ("--", "s"), "ddp": (":", "^")}
 _NOT_OK_COLOUR = "#cb181d"
@@ -92,10 +92,10 @@ def _speedup_panel(ax, results: Sequence[VariantResult]) -> List[Optional[float]
 
 
 def _memory_panel(ax, results: Sequence[VariantResult]) -> List[Optional[float]]:
-    kinds = sorted({memory_kind(r) for r in results} - {""})
+    kinds = sorted({peak_memory_kind(r) for r in results} - {""})
     mixed = len(kinds) > 1
     drawn = _bar_panel(ax, results, {r.variant: r.peak_mem_mb for r in results},
-                       lambda r, v: f"{v:.0f}" + (f" ({memory_kind(r)})" if mixed else ""))
+                       lambda r, v: f"{v:.0f}" + (f" ({peak_memory_kind(r)})" if mixed else ""))
     ax.set_xlabel("MB (the run's largest process or device)")
     ax.set_title("peak memory per device" + (f": {kinds[0]}" if len(kinds) == 1 else ""))
     return drawn

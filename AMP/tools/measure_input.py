@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from ampkit.data.classic import train_loader
+from ampkit.data.classic import train_dataloader
 from ampkit.data.datasets import CIFAR10, FashionMNIST, build_datasets
 from ampkit.data.on_device import fast_loaders
 from ampkit.device import synchronize
@@ -70,7 +70,7 @@ def _pipeline(kind: str, root: Path, img_size: int, batch_size: int, num_workers
         return DataLoader(data, batch_size=batch_size, shuffle=True, num_workers=0)
     if kind == "classic":
         data = build_datasets(dataset, root, img_size, download=False)
-        return train_loader(data.train, batch_size=batch_size, num_workers=num_workers,
+        return train_dataloader(data.train, batch_size=batch_size, num_workers=num_workers,
                             device=info.device, img_size=img_size, seed=0)
     if kind == "fast":
         return fast_loaders(dataset, root, img_size, batch_size, info,

@@ -187,7 +187,7 @@ def speedups(results: Sequence[VariantResult], baseline: str = BASELINE
             for r in results}, ""
 
 
-def memory_kind(r: VariantResult) -> str:
+def peak_memory_kind(r: VariantResult) -> str:
     """What ``peak_mem_mb`` measured: the training log's figure is
     ``torch.cuda.max_memory_allocated`` on a GPU and the peak RSS on the CPU (its
     ``peak_mem_kind``); compare.py's own fallback is the peak RSS."""

@@ -17,7 +17,7 @@ variants run as a one-process group, or in torchrun's (``DDPGroup``).
 - DDP's ``comm_hook`` (``--comm_hook`` of the DDP scripts): the bytes this rank sent per
   step, counted by :class:`ampkit.comm_hooks.CommHook` over the timed steps.
 
-Traces: ``profile`` records a few more steps (``ampkit.meters.StepProfiler``).
+Traces: ``profile`` (a folder) records a few more steps (``ampkit.profiler.StepProfiler``).
 """
 from __future__ import annotations
 
@@ -27,26 +27,49 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ampkit.comm_hooks import CommHook
+from ampkit.checkpoint import Progress
+from ampkit.comm_hooks import CommHook, wire_per_step
 from ampkit.device import (choose_device, memory_kind, peak_memory_mb, reset_peak_memory,
                            resolve_amp_dtype, synchronize)
-from ampkit.distributed import group_store, torchrun_ranks
-from ampkit.distributed import Ballots, DistInfo, this_process
+from ampkit.distributed import DistInfo, StopChannel, group_store, this_process, torchrun_ranks
 from ampkit.engine import train_one_epoch
 from ampkit.errors import UserError
-from ampkit.models import training_flops_per_image
-from ampkit.meters import StepMeters, wire_per_step
-from ampkit.models import build_model, compile_in_place
-from ampkit.meters import StepProfiler
-from ampkit.stop import StopFlag, StopVote
+from ampkit.meters import Meters
+from ampkit.models import build_model, compile_in_place, training_flops_per_image
+from ampkit.profiler import STEPS
+from ampkit.run import RunLogger
+from ampkit.stop import Stop, StopRequest
 
 from .variants import DISTRIBUTED, TRAIN_VARIANTS, build_variant
+
+
+@dataclass
+class SyntheticData:
+    """What the meters read of a run's data, for steps over synthetic batches: the batch and
+    image size, the classes, no image left out."""
+    batch_size: int
+    num_classes: int
+    image_shape: Tuple[int, ...]
+
+    def global_batch(self, accum_steps: int, world_size: int) -> int:
+        return self.batch_size * accum_steps * world_size
+
+    def take_unreadable(self) -> list:
+        return []
+
+
+def step_meters(technique, info: DistInfo, data: SyntheticData, *, arch: Optional[str],
+                profile_dir: Optional[Path] = None) -> Meters:
+    """The run's meters over a loop of synthetic steps: a run's figures, nothing said (but
+    --profile's table, on rank 0)."""
+    return Meters(technique, data, info, RunLogger(info.is_main and profile_dir is not None),
+                  progress=Progress(), arch=arch, accum_steps=1, profile_dir=profile_dir)
 
 
 @dataclass
@@ -184,14 +207,15 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     hook = None if comm_hook == "none" else CommHook(comm_hook, powersgd_rank=powersgd_rank,
                                                      start_iter=2)
     t, pool, flops = _built(variant, res, device, num_classes, lr, amp_dtype, hook)
-    # Skipped steps counted and a stop voted on every step: a timed step costs a training one.
-    meters, vote = StepMeters(t.scaler), StopVote(StopFlag(), Ballots(info))
+    # Skipped steps counted and a stop asked on every step: a timed step costs a training one.
+    data = SyntheticData(res.batch_size, num_classes, (3, res.img_size, res.img_size))
+    meters, stop = step_meters(t, info, data, arch=res.arch), Stop(StopRequest(), StopChannel(info))
 
-    def run(n: int, meters: StepMeters = meters, **kw):
+    def run(n: int, meters: Meters = meters, **kw):
         micro = [pool[i % len(pool)] for i in range(n * accum_steps)]
         with _all_reduce_every_micro_batch() if keep_sync else contextlib.nullcontext():
             return train_one_epoch(t.train_step, micro, info, meters=meters,
-                                   accum_steps=accum_steps, stop=vote, **kw)
+                                   accum_steps=accum_steps, stop=stop, **kw)
 
     if warmup > 0:
         run(warmup, desc=f"{variant} warm-up")
@@ -211,9 +235,8 @@ def measure_variant(variant: str, *, device: torch.device, batch_size: int, img_
     if busy and device.type == "cuda":
         res.gpu_busy = gpu_busy_share(lambda: run(10, desc="busy", log_every=11), device)
     if profile is not None:
-        profiler = StepProfiler(profile, device)
-        run(profiler.needed, StepMeters(t.scaler, profiler), desc=f"{variant} profile")
-        print(profiler.report(), flush=True)
+        profiling = step_meters(t, info, data, arch=res.arch, profile_dir=profile)
+        run(STEPS, profiling, desc=f"{variant} profile")
     peak = peak_tflops_fp32 if res.precision == "fp32" else peak_tflops
     if peak:
         res.utilisation = res.achieved_tflops / (peak * res.devices)

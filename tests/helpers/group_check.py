@@ -24,7 +24,7 @@ from torch import nn
 AMP = Path(__file__).resolve().parents[2] / "AMP"
 sys.path.insert(0, str(AMP))
 
-import ampkit.checkpoint.saver  # noqa: E402
+import ampkit.checkpoint.manager  # noqa: E402
 import train_DDP  # noqa: E402
 from ampkit.engine import count_correct  # noqa: E402
 from ampkit.distributed import this_process  # noqa: E402
@@ -52,10 +52,10 @@ class Faults:
         self.fault, self.counts = fault, {"loss": 0, "val": 0, "save": 0}
         self.loss, self.validate, self.state = (torch.nn.CrossEntropyLoss.forward,
                                                 train_DDP.count_correct,
-                                                ampkit.checkpoint.saver.Saver._checkpoint)
+                                                ampkit.checkpoint.manager.CheckpointManager._checkpoint)
         torch.nn.CrossEntropyLoss.forward = self._counted("loss", self.loss)
         train_DDP.count_correct = self._counted("val", self.validate)
-        ampkit.checkpoint.saver.Saver._checkpoint = self._counted("save", self.state)
+        ampkit.checkpoint.manager.CheckpointManager._checkpoint = self._counted("save", self.state)
 
     def _counted(self, where, call):
         def counted(*args, **kwargs):
@@ -68,15 +68,15 @@ class Faults:
     def remove(self) -> None:
         torch.nn.CrossEntropyLoss.forward = self.loss
         train_DDP.count_correct = self.validate
-        ampkit.checkpoint.saver.Saver._checkpoint = self.state
+        ampkit.checkpoint.manager.CheckpointManager._checkpoint = self.state
 
 
 def _saved(ckpt: Path):
     path = ckpt / "train_DDP" / "last.pth"
     if not path.is_file():
         return None
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    return [state["epoch"], state["step"]]
+    progress = torch.load(path, map_location="cpu", weights_only=True)["progress"]
+    return [progress["epoch"], progress["step"]]
 
 
 def _padding_counts(rank: int, world_size: int, port: int) -> list:

@@ -1,8 +1,8 @@
-"""A run's checkpoints: what they hold and when they are written (:mod:`.saver`), writing them
-atomically in the background (:mod:`.writer`), reading them safely (:mod:`.files`), and
-resuming from one (:mod:`.resume`)."""
+"""A run's checkpoints: where it stands (:mod:`.progress`), loading and saving them from its start
+to its end (:mod:`.manager`), writing them atomically in the background (:mod:`.writer`), reading
+them safely (:mod:`.files`) and checking what they hold (:mod:`.validate`)."""
 from .files import BEST, LAST
-from .resume import Resumed, restore, resume
-from .saver import Saver
+from .manager import CheckpointManager
+from .progress import Progress
 
-__all__ = ["BEST", "LAST", "Resumed", "Saver", "restore", "resume"]
+__all__ = ["BEST", "LAST", "CheckpointManager", "Progress"]

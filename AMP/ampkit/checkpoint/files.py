@@ -7,11 +7,9 @@ any eval script loads any variant's checkpoint, older files included.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import io
 import os
-import re
 import warnings
 import zipfile
 import zlib
@@ -21,6 +19,7 @@ from typing import Any, BinaryIO, Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from ..distributed import load_state
 from ..errors import UserError, first_line
 from .messages import load_failure
 from .validate import record_fault
@@ -28,43 +27,37 @@ from .validate import record_fault
 LAST, BEST = "last.pth", "best.pth"
 
 
-# A checkpoint is each entry of the script's state by name ("model": the unwrapped weights)
-# beside the run's record: where the run stands and what it was (Record), and what only a
-# resume needs (RESUMING: every rank's random streams, a stopped epoch's figures so far, the
-# weights of a best epoch best.pth does not hold yet).
-@dataclasses.dataclass
-class Record:
-    epoch: int
-    step: int
-    best_acc: float
-    best_epoch: int
-    val_acc: Optional[float]
-    arch: str
-    num_classes: int
-    variant: str
-    world_size: int
-    args: dict
-    torch_version: str
+# A checkpoint is each entry of the script's state by name ("model": the unwrapped weights;
+# "progress": where the run stands) beside the run's RECORD (what the run was) and what only
+# a resume reads (RESUMING: every rank's random streams, the weights of a best epoch best.pth
+# does not hold yet). Older checkpoints kept where the run stood at the top (PROGRESS).
+RECORD = ("arch", "num_classes", "variant", "world_size", "args", "torch_version")
+RESUMING = ("rng", "best_model")
+PROGRESS = ("epoch", "step", "best_acc", "best_epoch", "val_acc", "epoch_so_far")
 
 
-RECORD = tuple(f.name for f in dataclasses.fields(Record))
-RESUMING = ("rng", "epoch_so_far", "best_model")
+def progress_of(ckpt: Dict[str, Any]) -> Dict[str, Any]:
+    """Where the checkpoint's run stood: its progress entry, or an older file's fields."""
+    if isinstance(ckpt.get("progress"), dict):
+        return ckpt["progress"]
+    old = {k: ckpt[k] for k in PROGRESS if k in ckpt}
+    return old | ({"so_far": old.pop("epoch_so_far")} if "epoch_so_far" in old else {})
 
 
-def weights_of(state: Dict[str, Any]) -> Dict[str, Any]:
-    """A checkpoint's weights and record: best.pth's content."""
-    return {k: x for k, x in state.items() if k == "model" or k in RECORD}
+def weights_of(ckpt: Dict[str, Any]) -> Dict[str, Any]:
+    """A checkpoint's weights, record and progress: best.pth's content."""
+    return {k: x for k, x in ckpt.items() if k in ("model", "progress", *RECORD)}
 
 
-def refusal(state: Mapping[str, Any]) -> str:
+def unsaveable(state: Mapping[str, Any]) -> str:
     """Why the script's ``state`` (name -> object; None: not in this run) cannot be
     checkpointed, in one line; "" if it can. Each entry needs ``state_dict()`` and
     ``load_state_dict()``, and what it saves must load back under ``weights_only=True``,
     tried at once on a copy with empty tensors, so that a run learns it at its start."""
-    clash = sorted(set(state) & set(RECORD + RESUMING))
+    clash = sorted(set(state) & set(RECORD + RESUMING + PROGRESS))
     if "model" not in state or clash:
         return (f"the checkpoint's state must name the weights 'model' and no entry the run's "
-                f"record keeps ({', '.join(RECORD + RESUMING)})"
+                f"record keeps ({', '.join(RECORD + RESUMING + PROGRESS)})"
                 + (f": it names {', '.join(clash)}" if clash else ""))
     for name, obj in ((n, o) for n, o in state.items() if o is not None):
         what = f"the checkpoint's {name!r} ({type(obj).__name__})"
@@ -72,16 +65,14 @@ def refusal(state: Mapping[str, Any]) -> str:
                 and callable(getattr(obj, "load_state_dict", None))):
             return f"{what} has no state_dict() and load_state_dict()"
         buffer = io.BytesIO()
-        try:
-            # torch.serialization's own names: a check in memory, which a wrapper of
-            # torch.save (a test's fault, a profiler) must not count as a checkpoint write.
-            torch.serialization.save(_skeleton(obj.state_dict()), buffer)
-            buffer.seek(0)
-            torch.serialization.load(buffer, weights_only=True)
-        except Exception as e:
-            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        # torch.serialization's own names: a check in memory, which a wrapper of torch.save
+        # (a test's fault, a profiler) must not count as a checkpoint write.
+        torch.serialization.save(_skeleton(obj.state_dict()), buffer)
+        buffer.seek(0)
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(buffer)
+        if unsafe:
             return (f"{what} cannot be saved and loaded back with torch.load(weights_only=True):"
-                    f" its state_dict() {f'holds {found[1]}' if found else first_line(e)}")
+                    f" its state_dict() holds {', '.join(unsafe)}")
     return ""
 
 
@@ -101,8 +92,9 @@ def _skeleton(obj: Any) -> Any:
 
 def args_to_plain(args) -> Dict[str, Any]:
     """The run's flags (an argparse Namespace) as a checkpoint stores them, and as a resumed
-    run's are compared with them: str, int, float, bool or None."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    run's are compared with them: str, int, float, bool or None (not which were given)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+            if k != "given"}
 
 
 def strip_prefixes(state_dict: Dict[str, Any]) -> Dict[str, Any]:
@@ -127,10 +119,18 @@ def load_with_identity(path: Path, map_location: Any = "cpu"
         with open(path, "rb") as f:
             ident = identity(f)
             f.seek(0)
+            unsafe = _unsafe_globals(f)
+            if unsafe:
+                raise UserError(f"{path}: refused: it holds pickled Python objects "
+                                f"({', '.join(unsafe[:3])}), which weights_only loading does "
+                                "not run (not a plain checkpoint)")
+            f.seek(0)
             # Odd pickle protocols in a foreign file warn before they fail.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 obj = torch.load(f, map_location=map_location, weights_only=True)
+    except UserError:
+        raise
     except OSError as e:
         raise UserError(f"{path}: cannot read it ({e.strerror or first_line(e)})") from None
     except Damaged as e:
@@ -154,6 +154,16 @@ def load_with_identity(path: Path, map_location: Any = "cpu"
         raise UserError(f"{path}: not a checkpoint a run of this project writes: {fault}")
     ckpt["model"] = strip_prefixes(ckpt["model"])
     return ckpt, ident
+
+
+def _unsafe_globals(f: BinaryIO) -> list:
+    """What weights_only loading would refuse to run, by torch's own reading of the pickle
+    (none listed for a file torch.save did not write as a zip: torch.load says what it is)."""
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(f)
+    # Whatever a damaged or foreign pickle raises: torch.load says it next.
+    except Exception:
+        return []
 
 
 class Damaged(Exception):
@@ -203,13 +213,17 @@ def _classes(weights: Dict[str, Any]) -> Optional[int]:
 
 
 def load_weights(model: nn.Module, ckpt: Dict[str, Any], path: Path) -> None:
-    """``ckpt['model']`` into the bare (not yet wrapped) model; a mismatch is one line."""
-    n_ckpt, n_model = _classes(ckpt["model"]), _classes(model.state_dict())
+    """``ckpt['model']`` (bare names) into the network, by the names it has now, whatever
+    wrapper it holds (DataParallel on ``model.features``: ``features.module.0.weight``); a
+    sharded (FSDP2) one's shards from the full weights. A mismatch is one line."""
+    own = model.state_dict()
+    n_ckpt, n_model = _classes(ckpt["model"]), _classes(own)
     if None not in (n_ckpt, n_model) and n_ckpt != n_model:
         raise UserError(f"{path}: checkpoint is for {n_ckpt} classes, but the data set "
                         f"has {n_model}")
+    named = dict(zip(strip_prefixes(own), own))
     try:
-        model.load_state_dict(ckpt["model"])
+        load_state(model, {named.get(k, k): v for k, v in ckpt["model"].items()}, model)
     except RuntimeError as e:
         raise UserError(f"{path}: weights do not fit this network ({ckpt.get('arch', 'alexnet')}"
                         f" in the checkpoint; {first_line(e)})") from None

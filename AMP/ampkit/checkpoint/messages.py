@@ -12,7 +12,7 @@ SHARED_FOLDER = ("the checkpoint folder must be shared by every node (--checkpoi
 
 # Refused when they differ (mismatches), or not flags of the run: not named again.
 NOT_COMPARED = {"dataset", "dataset_root", "img_size", "arch", "train_subset", "variant",
-                "resume", "init_from", "lr", "start_lr"}
+                "resume", "init_from", "lr"}
 
 
 class DiskFull(UserError):
@@ -25,13 +25,10 @@ class DiskFull(UserError):
 
 
 def load_failure(e: Exception) -> str:
-    """Why torch.load failed, in a few words (torch's weights_only advice is not the cause)."""
+    """Why torch.load failed, in a few words: the unpickler's own reason, not the advice on
+    weights_only torch puts around it."""
     text = str(e)
-    unpickling = type(e).__name__ == "UnpicklingError" or "WeightsUnpickler error:" in text
-    if unpickling and "global" in text.lower():
-        return ("refused: it holds pickled Python objects, which weights_only loading does "
-                "not run (not a plain checkpoint)")
-    if unpickling:
+    if type(e).__name__ == "UnpicklingError":
         lines = [ln.strip() for ln in text.split("WeightsUnpickler error:", 1)[-1].splitlines()
                  if ln.strip() and not ln.startswith(("Weights only load failed", "Check the"))]
         return f"not a PyTorch checkpoint ({(lines or [type(e).__name__])[0][:200]})"
@@ -47,12 +44,14 @@ def other_checkpoint(rank0: tuple, rank: int, theirs: tuple) -> str:
         + SHARED_FOLDER
 
 
-def mismatches(state: dict, args, world_size: int, defaults: Dict[str, Any]) -> List[str]:
+def mismatches(ckpt: dict, args, world_size: int, defaults: Dict[str, Any],
+               mid_epoch: bool) -> List[str]:
     """What differs between a checkpoint and the run about to continue it, in words;
-    ``defaults``: the flags' (what an older checkpoint's run had of a flag it predates)."""
-    trained, diffs, variant = state.get("args") or {}, [], args.variant
-    if state.get("variant", variant) != variant:
-        diffs.append(f"it is a {state['variant']} run, this is {variant}")
+    ``defaults``: the flags' (what an older checkpoint's run had of a flag it predates);
+    ``mid_epoch``: the checkpoint's run stopped within an epoch."""
+    trained, diffs, variant = ckpt.get("args") or {}, [], args.variant
+    if ckpt.get("variant", variant) != variant:
+        diffs.append(f"it is a {ckpt['variant']} run, this is {variant}")
     for key in ("dataset", "img_size", "arch", "train_subset"):
         then, now = trained.get(key, defaults.get(key)), getattr(args, key)
         if trained and then != now:
@@ -62,14 +61,14 @@ def mismatches(state: dict, args, world_size: int, defaults: Dict[str, Any]) -> 
             Path(root).resolve() != Path(args.dataset_root).resolve():
         diffs.append(f"--dataset_root {root} (this run: {args.dataset_root})")
     # Older checkpoints have no accum_steps: they did not accumulate.
-    world, batch, accum = state.get("world_size"), trained.get("batch_size"), \
+    world, batch, accum = ckpt.get("world_size"), trained.get("batch_size"), \
         trained.get("accum_steps", 1)
     if world is not None and batch is not None:
         if world * batch * accum != world_size * args.batch_size * args.accum_steps:
             diffs.append(f"a global batch of {batch} x {accum} micro-batches x {world} "
                          f"processes (this run: {args.batch_size} x {args.accum_steps} x "
                          f"{world_size})")
-        elif world != world_size and state.get("step", 0):
+        elif world != world_size and mid_epoch:
             diffs.append(f"{world} processes, stopped mid-epoch (this run: {world_size})")
     return diffs
 
@@ -103,16 +102,16 @@ def repaired(best: Path, held: Optional[tuple], epoch: int, acc: float, done: bo
             f"val_acc {acc:.4f}), whose weights no file holds: left as it is")
 
 
-def start(resumed, variant: str, epochs: int, init_from: Optional[Path],
-          changed: str = "") -> Optional[str]:
-    """Where a resumed run, or one from ``init_from``'s weights, begins; None for a new run."""
-    repair = f"\n{resumed.repaired}" if resumed.repaired else ""
-    if resumed.path is not None and resumed.epoch >= epochs:
-        return (f"{variant}: {resumed.path} has already trained {resumed.epoch} of --epochs "
-                f"{epochs}; nothing to do (raise --epochs to train on){repair}")
-    if resumed.path is not None:
-        return (f"resumed from {resumed.path}: epoch {resumed.epoch + 1}, step {resumed.step}"
-                + (f"; {resumed.streams}" if resumed.streams else "") + repair
+def start(path: Optional[Path], progress, variant: str, epochs: int,
+          init_from: Optional[Path], changed: str = "") -> Optional[str]:
+    """Where a run resumed from ``path`` (``progress``: where it stands now; ``changed``: what
+    the resume did), or one from ``init_from``'s weights, begins; None for a new run."""
+    if path is not None and progress.epoch >= epochs:
+        return (f"{variant}: {path} has already trained {progress.epoch} of --epochs "
+                f"{epochs}; nothing to do (raise --epochs to train on)"
+                + (f"\n{changed}" if changed else ""))
+    if path is not None:
+        return (f"resumed from {path}: epoch {progress.epoch + 1}, step {progress.step}"
                 + (f"\n{changed}" if changed else ""))
     if init_from is not None:
         return f"starting from the weights of {init_from} (epoch 1, a new optimizer)"

@@ -4,12 +4,13 @@ Fashion-MNIST, ImageFolder, FakeData), the two input paths -- the whole data set
 script takes from them.
 
 ``build_loaders`` picks the path (``--loader auto``: fast for the data sets held whole on the
-device, CIFAR10, FashionMNIST and FakeData; classic for ImageFolder). ``Loaders.train_loader(sampler)``
-yields the training batches in a sampler's order (a script's ``DistributedSampler``, or one
-process's); both paths' batches arrive on the device, and a resumed epoch starts at a batch
-of its own (``loader.batches(start)``)."""
+device, CIFAR10, FashionMNIST and FakeData; classic for ImageFolder).
+``Loaders.train_loader(sampler)`` yields the training batches in a sampler's order (a
+script's ``DistributedSampler``, or one process's); both paths' batches arrive on the
+device, and a resumed epoch starts at a batch of its own (``loader.batches(start)``)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Sized, Tuple
@@ -19,7 +20,7 @@ from torch.utils.data import Sampler, Subset
 
 from ..distributed import DistInfo
 from ..errors import UserError
-from .classic import CheckedLoader, default_workers, eval_loader, train_loader
+from .classic import CheckedLoader, default_workers, eval_dataloader, train_dataloader
 from .datasets import NUM_CLASSES, build_datasets
 from .image_folder import Unreadable
 from .order import balanced_subset, labels_of, one_process_sampler
@@ -46,6 +47,15 @@ class Loaders:
     image_shape: Tuple[int, ...] = ()
     train: Optional[Iterable] = field(default=None, init=False)
 
+    def last_batch(self, world_size: int) -> int:
+        """The images of an epoch's last batch in each of ``world_size`` processes (their
+        shards are padded to one size, and no batch is dropped)."""
+        return math.ceil(self.train_size / world_size) % self.batch_size or self.batch_size
+
+    def global_batch(self, accum_steps: int, world_size: int) -> int:
+        """The images of one optimizer step, over every process and micro-batch."""
+        return self.batch_size * accum_steps * world_size
+
     def train_loader(self, sampler: Sampler[int]) -> Iterable:
         """The training batches, in ``sampler``'s order, on the device."""
         self.train = self.make_train(sampler)
@@ -58,6 +68,16 @@ class Loaders:
             if isinstance(loader, CheckedLoader):
                 taken, loader.unreadable = taken + loader.unreadable, []
         return taken
+
+
+def unreadable_line(unreadable: List[Unreadable], when: str) -> Optional[str]:
+    """--skip_bad_images: the images the loaders left out (every rank's, gathered), named in
+    one line; None for none."""
+    if not unreadable:
+        return None
+    more = f"; and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
+    return (f"skipped {len(unreadable)} unreadable image(s) {when} (--skip_bad_images): "
+            + "; ".join(str(u) for u in unreadable[:5]) + more)
 
 
 def loader_kind(dataset: str, loader: str) -> str:
@@ -101,13 +121,15 @@ def build_loaders(name: str, root: Path, img_size: int, batch_size: int, info: D
                                                             data.num_classes))
         workers = default_workers(num_workers, info.device)
         train_set, num_classes, val_size = data.train, data.num_classes, len(data.val)
-        val_dl = eval_loader(data.val, info, batch_size=batch_size, num_workers=workers,
-                             memory_format=memory_format, img_size=img_size, skip_bad=skip_bad)
+        val_dl = eval_dataloader(data.val, info, batch_size=batch_size, num_workers=workers,
+                                 memory_format=memory_format, img_size=img_size,
+                                 skip_bad=skip_bad)
 
         def make_train(sampler):
-            return train_loader(train_set, sampler, batch_size=batch_size, num_workers=workers,
-                                device=info.device, memory_format=memory_format,
-                                img_size=img_size, skip_bad=skip_bad)
+            return train_dataloader(train_set, sampler, batch_size=batch_size,
+                                    num_workers=workers, device=info.device,
+                                    memory_format=memory_format, img_size=img_size,
+                                    skip_bad=skip_bad)
     train_size = len(train_set) if train else 0
     if (train and train_size == 0) or val_size == 0:
         raise UserError(f"{root}: the data set has no images"
@@ -119,4 +141,5 @@ def build_loaders(name: str, root: Path, img_size: int, batch_size: int, info: D
                    make_train if train else None, (3, img_size, img_size))
 
 
-__all__ = ["Loaders", "build_loaders", "check_loader_flags", "loader_kind", "one_process_sampler"]
+__all__ = ["Loaders", "build_loaders", "check_loader_flags", "loader_kind", "one_process_sampler",
+           "unreadable_line"]

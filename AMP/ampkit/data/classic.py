@@ -177,10 +177,11 @@ def default_workers(num_workers: Optional[int], device: torch.device) -> int:
     return num_workers if num_workers is not None else (0 if device.type == "cpu" else 4)
 
 
-def train_loader(dataset: Dataset, sampler: Optional[Sampler[int]] = None, *, batch_size: int,
-                 num_workers: int = 0, device: torch.device = torch.device("cpu"),
-                 memory_format: torch.memory_format = torch.contiguous_format,
-                 img_size: int = 0, seed: int = 0, skip_bad: bool = False) -> CheckedLoader:
+def train_dataloader(dataset: Dataset, sampler: Optional[Sampler[int]] = None, *,
+                     batch_size: int, num_workers: int = 0,
+                     device: torch.device = torch.device("cpu"),
+                     memory_format: torch.memory_format = torch.contiguous_format,
+                     img_size: int = 0, seed: int = 0, skip_bad: bool = False) -> CheckedLoader:
     """Batches in ``sampler``'s order (None: one process's, seeded by ``seed``) with its
     flips, always full: an unreadable image is replaced by the next readable one
     (:class:`NextReadable`)."""
@@ -190,7 +191,7 @@ def train_loader(dataset: Dataset, sampler: Optional[Sampler[int]] = None, *, ba
                    img_size=img_size, skip_bad=skip_bad, collate=collate_next_readable)
 
 
-def eval_loader(dataset: Dataset, info: DistInfo, *, batch_size: int, num_workers: int = 0,
+def eval_dataloader(dataset: Dataset, info: DistInfo, *, batch_size: int, num_workers: int = 0,
                 memory_format: torch.memory_format = torch.contiguous_format, img_size: int = 0,
                 skip_bad: bool = False) -> CheckedLoader:
     """This rank's shard of ``dataset`` (every world_size-th image), in order."""
