@@ -544,6 +544,32 @@ def test_seeds_give_every_run_a_row_and_each_variant_its_spread_and_verdict(
     assert (run / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_comparison_under_way_says_how_many_seeds_its_tables_hold(tmp_path, monkeypatch,
+                                                                     capsys):
+    """results.md is written after every run, so that a long comparison keeps what it has:
+    read while seed 1 runs, it says its table is over 1 seed of the 2 asked for."""
+    import compare
+
+    accs = {(v, s): 0.7 + s / 100 for v in ("train_without", "train_autocast") for s in (0, 1)}
+    commands = _fake_children(monkeypatch, accs)
+    from tools import runner
+    fake, seen = runner.run_child, []
+
+    def run_child(cmd, *a, **kw):
+        if "--seed" in cmd and cmd[cmd.index("--seed") + 1] == "1" and not seen:
+            (run,) = tmp_path.iterdir()
+            seen.append((run / "results.md").read_text())
+        return fake(cmd, *a, **kw)
+
+    monkeypatch.setattr(runner, "run_child", run_child)
+    assert compare.main(["--variants", "train_without,train_autocast", "--seeds", "2",
+                         "--no-cuda", "--epochs", "2", "--no-tensorboard",
+                         "--out", str(tmp_path)]) == 0
+    assert commands and "Over 2 seeds (1 run so far):" in seen[0], seen
+    (run,) = tmp_path.iterdir()
+    assert "Over 2 seeds:" in (run / "results.md").read_text()
+
+
 def test_one_seed_keeps_todays_table_and_folders(tmp_path, monkeypatch, capsys):
     import compare
 
@@ -794,7 +820,8 @@ def test_time_to_target_over_seeds_counts_the_runs_that_reached_it():
     assert rows["train_without"]["time to target"] == "10.0s ± 0.5s (9.5s–10.5s), 3 of 3 reached"
     assert rows["train_without"]["time verdict"] == "(the baseline)"
     assert rows["train_autocast"]["Δ time to target vs baseline"] == "-5.0s ± 0.4s"
-    assert rows["train_autocast"]["time verdict"].startswith("beyond seed noise (p = ")
+    # p is ~0.0003: said as such, not rounded to "p = 0.00".
+    assert rows["train_autocast"]["time verdict"] == "beyond seed noise (p < 0.01)"
     assert rows["train_GradScaler"]["time to target"] == \
         "9.9s ± 0.4s (9.6s–10.2s), 2 of 3 reached"
     assert rows["train_GradScaler"]["time verdict"].startswith("within seed noise (p = ")

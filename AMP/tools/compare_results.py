@@ -98,9 +98,12 @@ def write_results(comp: Comparison, results: List[VariantResult],
     measure_to_target(comp, results, target)
     every = stats.summarise_seeds(results)
     summaries = every if a.seeds > 1 else None
+    # Written after every run: a comparison still under way says how far it got.
+    ran = len({r.seed for r in results if r.status != report.NOT_RUN})
+    so_far = "" if ran == a.seeds else f" ({ran} run so far)"
     summary = ("" if summaries is None else
-               f"Over {a.seeds} seeds:\n\n{stats.seed_table(summaries)}\n\n{stats.RULE}\n\n"
-               "Every run:\n")
+               f"Over {a.seeds} seeds{so_far}:\n\n{stats.seed_table(summaries)}\n\n"
+               f"{stats.RULE}\n\nEvery run:\n")
     report.write_csv(results, comp.dir / "results.csv")
     write_json(comp.dir / "results.json", results, every, target, a.seeds)
     report.write_markdown(results, comp.dir / "results.md",

@@ -192,8 +192,9 @@ class SeedSummary:
             return needs
         if delta.p is None:
             return "beyond seed noise (no spread among the seeds)"
-        return (("within seed noise" if delta.within_noise else "beyond seed noise")
-                + f" (p = {delta.p:.2f})")
+        # Two decimals would print a p of 0.004 as "p = 0.00", which no test gives.
+        p = "p < 0.01" if delta.p < 0.005 else f"p = {delta.p:.2f}"
+        return f"{'within' if delta.within_noise else 'beyond'} seed noise ({p})"
 
     def verdict(self) -> str:
         return self._verdict(self.delta, "needs 2 finished runs on each side")
