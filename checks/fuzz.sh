@@ -7,7 +7,7 @@
 # script with it: a table is printed only when there was none. docs/robustness.md holds the
 # last table.
 #
-#   bash checks/fuzz.sh                      # about 15 minutes on 2 cores
+#   bash checks/fuzz.sh                      # about 5 minutes on 2 cores
 #   bash checks/fuzz.sh -k idx               # pytest's arguments: one property
 #
 # Needs the test requirements (requirements-test.txt: hypothesis); a CPU; no network.

@@ -272,6 +272,8 @@ def _as_a_run_writes(name: str, value) -> bool:
 @example(where=("optimizer", "state", 0, "exp_avg"), value=torch.tensor(0.0))
 # A NaN best accuracy, which no epoch beats: best.pth would never be written again.
 @example(where=("progress", "best_acc"), value=float("nan"))
+# The whole progress entry of another kind: it was read as a file of no epoch at all.
+@example(where=("progress",), value=None)
 def test_a_checkpoint_entry_of_the_wrong_kind_is_one_line(checkpoint, mini_imagefolder_root,
                                                           tmp_path_factory, where, value):
     """An entry of a real checkpoint replaced by a value of another kind or range, or

@@ -41,7 +41,7 @@ from .files import (BEST, LAST, PROGRESS, RECORD, RESUMING, args_to_plain, load,
                     load_with_identity, load_weights, progress_of, resolve, strip_prefixes,
                     unsaveable, weights_of)
 from .progress import Progress
-from .validate import misfit, optimizer_misfit
+from .validate import misfit, optimizer_misfit, shown
 from .writer import (BackgroundWriter, Link, Snapshot, atomic_save, link_or_write,
                      remove_temporaries)
 
@@ -246,6 +246,9 @@ def read_resumable(path: Path, args, world_size: int) -> tuple:
     if "optimizer" not in ckpt:
         raise UserError(f"{path}: holds weights only (no optimizer state); cannot resume "
                         f"from it (--init_from {path} starts a new run from its weights)")
+    if "progress" in ckpt and not isinstance(ckpt["progress"], dict):
+        raise UserError(f"{path}: not a checkpoint a run of this project writes: its "
+                        f"'progress' is {shown(ckpt['progress'])}, not a dict")
     if "epoch" not in progress_of(ckpt):
         raise UserError(f"{path}: holds no epoch: not a checkpoint of a run (--init_from "
                         f"{path} starts a new run from its weights)")
