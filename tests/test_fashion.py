@@ -142,6 +142,18 @@ def test_no_network_is_one_line_naming_the_offline_way(tmp_path, monkeypatch):
         load_fashion_mnist(tmp_path, True, download=True)
 
 
+def test_cifar_without_a_network_names_fashion_mnist_as_the_real_data_offline(tmp_path,
+                                                                              monkeypatch):
+    """The default data set cannot be downloaded: the one line says where real data is
+    without a network, not only the generated kinds."""
+    def no_network(*args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(datasets, "download_url", no_network)
+    with pytest.raises(UserError, match="could not be downloaded .*--dataset FashionMNIST "
+                                        r"\(apt install dataset-fashion-mnist"):
+        datasets.cifar10(tmp_path, True, None, download=True)
+
+
 def test_the_subset_is_balanced_seed_free_and_the_same_on_both_paths(fashion_root):
     labels = load_fashion_mnist(fashion_root, True, download=False)[1]
     chosen = balanced_subset(labels, 25, 10)

@@ -165,7 +165,8 @@ def cifar10(root: Path, train: bool, transform, download: bool) -> CIFAR10:
         raise UserError(
             f"CIFAR-10 is not in {root} and could not be downloaded ({reason}). Without a "
             f"network, put {CIFAR_ARCHIVE} (from https://www.cs.toronto.edu/~kriz/) in "
-            f"{root}, or use --dataset ImageFolder or --dataset FakeData")
+            f"{root}; or real data offline, --dataset FashionMNIST ({FASHION_OFFLINE}); or "
+            f"--dataset ImageFolder or FakeData")
     path, why = broken
     if download and archive.is_file():
         # A bad archive extracts nothing: its error, as it is, is what to fix first.
